@@ -1,0 +1,57 @@
+"""Test fixtures: the kernel is loaded the way users load it (`kernels.get_local_kernel` on this checkout's
+`build/`), never through sys.path. Build first: `python tools/build.py` (tools/setup.sh does it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO_ID = "kernels-community/fused-mlp"
+
+# Tests never touch the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")
+
+
+def _load(backend: str | None):
+    import kernels
+
+    try:
+        return kernels.get_local_kernel(ROOT, backend=backend)
+    except FileNotFoundError as e:  # no build for this torch
+        pytest.exit(f"no fused-mlp build for this environment; run `python tools/build.py` first\n{e}", returncode=2)
+
+
+@pytest.fixture(scope="session")
+def fm():
+    """The kernel module for the installed torch (the CUDA variant when torch is a CUDA build)."""
+    return _load(None)
+
+
+@pytest.fixture(scope="session")
+def fm_cpu():
+    """The CPU variant, forced."""
+    return _load("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """Correctness tests compare against fp32 references: TF32 off."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param

@@ -1,0 +1,117 @@
+"""The non-Nix build: build.toml schema checks, one-line errors, incremental rebuilds, and no half-written
+variant after a failed build. Builds run on a copy of the sources (CPU variant only, to stay quick)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+from build_config import BuildConfigError, load_build_config  # noqa: E402
+
+GOOD = (ROOT / "build.toml").read_text()
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    # Sources are resolved relative to build.toml: link the real ones in.
+    for d in ("kernels_src", "torch-ext"):
+        if not (tmp_path / d).exists():
+            (tmp_path / d).symlink_to(ROOT / d)
+    p = tmp_path / "build.toml"
+    p.write_text(text)
+    return p
+
+
+def test_repository_build_toml_is_valid():
+    cfg = load_build_config(ROOT / "build.toml")
+    assert cfg.name == "fused-mlp" and cfg.version == 1 and cfg.python_name == "fused_mlp"
+    assert set(cfg.backends) == {"cpu", "cuda"}
+    assert cfg.hub_repo_id == "kernels-community/fused-mlp"
+    assert {"8.0", "9.0", "10.0", "12.0"} <= set(cfg.cuda_capabilities())
+    # Every op's CPU source is compiled into the CUDA variant as well.
+    cpu_srcs = {p for p in cfg.sources_for("cpu") if p.suffix == ".cpp" and "kernels_src" in str(p)}
+    assert cpu_srcs and cpu_srcs <= set(cfg.sources_for("cuda"))
+    assert not any(p.suffix == ".cu" for p in cfg.sources_for("cpu"))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: t.replace('name = "fused-mlp"', 'name = "Fused_MLP"'), "must match"),
+        (lambda t: t.replace("edition = 5", "edition = 4"), "edition must be 5"),
+        (lambda t: t.replace('license = "Apache-2.0"', 'license = "Apache-2.0"\ncolour = "blue"'), "unknown key"),
+        (lambda t: t.replace('backends = ["cpu", "cuda"]', 'backends = ["cpu", "cuda", "tpu9"]'), "unknown backend"),
+        (lambda t: t.replace('backend = "cpu"', 'backend = "fpga"', 1), "is unknown"),
+        (lambda t: t.replace('cuda-capabilities = ["8.0", "9.0", "10.0", "12.0"]\n', "", 1),
+         "without cuda-capabilities"),
+        (lambda t: t.replace('"9.0"', '"nine"', 1), "is not like"),
+        (lambda t: t.replace('depends = ["torch"]', 'depends = ["torch"]\ncuda-flags = ["-O3"]', 1), "unknown key"),
+        (lambda t: t.replace('"kernels_src/cpu/rms_norm.cpp"', '"kernels_src/cpu/missing.cpp"', 1),
+         "does not exist"),
+    ],
+)
+def test_build_toml_schema_errors(tmp_path, mutate, message):
+    text = mutate(GOOD)
+    assert text != GOOD, "mutation did not apply"
+    with pytest.raises(BuildConfigError, match=message):
+        load_build_config(write_toml(tmp_path, text))
+
+
+def copy_tree(dst: Path) -> Path:
+    for d in ("tools", "kernels_src", "torch-ext"):
+        shutil.copytree(ROOT / d, dst / d, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "build.toml", dst / "build.toml")
+    return dst
+
+
+def run_build(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(root / "tools" / "build.py"), *args], cwd=root,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900)
+
+
+def test_unknown_backend_in_build_toml_is_one_line_error(tmp_path):
+    root = copy_tree(tmp_path)
+    (root / "build.toml").write_text(GOOD.replace('backend = "cpu"', 'backend = "quantum"', 1))
+    proc = run_build(root, "--backend", "cpu")
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "quantum" in err[0] and err[0].startswith("fused-mlp build error:")
+    assert not (root / "build").exists()
+
+
+def test_missing_nvcc_is_one_line_error(tmp_path):
+    proc = run_build(ROOT, "--backend", "cuda", "--out", str(tmp_path / "out"),
+                     env={"CUDA_HOME": str(tmp_path / "no-cuda-here")})
+    assert proc.returncode == 1
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("W")]
+    assert err and "nvcc" in err[-1] and err[-1].startswith("fused-mlp build error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_incremental_rebuild_and_failed_build_leaves_previous_variant(tmp_path):
+    root = copy_tree(tmp_path)
+    first = run_build(root, "--backend", "cpu")
+    assert first.returncode == 0, first.stderr
+    variants = [d for d in (root / "build").iterdir() if d.is_dir()]
+    assert len(variants) == 1
+    before = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
+
+    again = run_build(root, "--backend", "cpu")
+    assert again.returncode == 0 and "no work to do" in again.stdout
+
+    # Break a kernel source: the build fails, and the previous variant is left exactly as it was.
+    src = root / "kernels_src" / "cpu" / "rms_norm.cpp"
+    src.write_text(src.read_text() + "\nthis is not C++;\n")
+    broken = run_build(root, "--backend", "cpu")
+    assert broken.returncode == 1
+    assert broken.stderr.strip().splitlines()[-1].startswith("fused-mlp build error: compilation of")
+    after = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
+    assert after == before
+    assert [d.name for d in (root / "build").iterdir()] == [variants[0].name]

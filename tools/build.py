@@ -1,0 +1,507 @@
+#!/usr/bin/env python3
+"""Non-Nix build of the fused-mlp kernel: reads build.toml, writes build/<variant>/ like kernel-builder.
+
+    python tools/build.py                     # every variant this machine can build
+    python tools/build.py --backend cpu       # only the CPU variant
+    FUSED_MLP_CUDA_CAPABILITIES=9.0 python tools/build.py --backend cuda   # quick CUDA build
+
+What it produces, per variant (`torch<XY>-cxx11-cpu-x86_64-linux`, `torch<XY>-cxx11-cu<VER>-x86_64-linux`):
+the Python package from torch-ext/fused_mlp/, a generated `_ops.py`, an abi3 extension module
+`_fused_mlp_<backend>_<hash>.abi3.so` whose op namespace is the same unique name, and `metadata.json`.
+Compilation goes through ninja (incremental, header dependencies tracked) with the include and library paths
+that `torch.utils.cpp_extension` reports; intermediate files live in `.build/` (git-ignored). A variant
+directory is assembled aside and moved into place only when everything succeeded, so a failed build never
+leaves a half-written variant behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from build_config import BuildConfig, BuildConfigError, load_build_config  # noqa: E402
+
+CAPS_ENV = "FUSED_MLP_CUDA_CAPABILITIES"
+
+
+class BuildError(RuntimeError):
+    """A build problem reported to the user as one line."""
+
+
+@dataclass
+class Toolchain:
+    cxx: str
+    nvcc: str | None
+    cuda_home: Path | None
+    ninja: str
+
+
+@dataclass
+class Variant:
+    backend: str  # "cpu" or "cuda"
+    name: str  # build/<name>
+    namespace: str = ""  # op namespace == extension module name
+    capabilities: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Environment discovery
+# --------------------------------------------------------------------------------------------------------
+
+
+def _torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:  # pragma: no cover - reported to the user
+        raise BuildError(f"torch is not importable ({e}); install torch first") from e
+    import torch
+
+    return torch
+
+
+def torch_tag(torch) -> str:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch{major}{minor}"
+
+
+def find_ninja() -> str:
+    exe = shutil.which("ninja")
+    if exe:
+        return exe
+    try:
+        import ninja  # type: ignore
+
+        cand = Path(ninja.BIN_DIR) / "ninja"
+        if cand.exists():
+            return str(cand)
+    except ImportError:
+        pass
+    raise BuildError("ninja was not found; `pip install ninja`")
+
+
+def find_cxx() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx or not shutil.which(cxx):
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    return cxx
+
+
+def find_cuda() -> tuple[str | None, Path | None]:
+    """nvcc and the CUDA toolkit root, or (None, None). CUDA_HOME, when set, is the only place looked at."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        candidates = [Path(home) / "bin" / "nvcc"]
+    else:
+        candidates = [Path(p) for p in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc") if p]
+    for nvcc in candidates:
+        if not nvcc.exists():
+            continue
+        # The toolkit root holds include/cuda_runtime.h; a /usr/local/bin/nvcc symlink points into it.
+        for root in (nvcc.resolve().parent.parent, nvcc.parent.parent, Path("/usr/local/cuda")):
+            if (root / "include" / "cuda_runtime.h").exists():
+                return str(nvcc), root
+    return None, None
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int]:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise BuildError(f"cannot parse `{nvcc} --version`")
+    return int(m.group(1)), int(m.group(2))
+
+
+def pip_nvidia_dirs(kind: str) -> list[Path]:
+    """include/ or lib/ directories of the NVIDIA pip packages torch depends on (cuBLAS lives there)."""
+    import site
+
+    out = []
+    for sp in {*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["purelib"]}:
+        base = Path(sp) / "nvidia"
+        if not base.is_dir():
+            continue
+        for sub in sorted(base.iterdir()):
+            d = sub / kind
+            if d.is_dir():
+                out.append(d)
+    return out
+
+
+def find_cublaslt(cuda_home: Path) -> tuple[Path, Path, str]:
+    """(include dir, lib dir, linker name) for cuBLASLt: the toolkit's, else the one torch's wheels bring."""
+    for inc, lib in [(cuda_home / "include", cuda_home / "lib64")] + [
+        (d, d.parent / "lib") for d in pip_nvidia_dirs("include")
+    ]:
+        if not (inc / "cublasLt.h").exists() or not lib.is_dir():
+            continue
+        libs = sorted(lib.glob("libcublasLt.so*"))
+        if not libs:
+            continue
+        plain = lib / "libcublasLt.so"
+        return inc, lib, "-lcublasLt" if plain.exists() else f"-l:{libs[0].name}"
+    raise BuildError("cuBLASLt headers/library not found (CUDA toolkit or the nvidia-cublas pip package)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Variant planning
+# --------------------------------------------------------------------------------------------------------
+
+
+def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain) -> list[Variant]:
+    torch = _torch()
+    tag = torch_tag(torch)
+    want_cpu = requested in ("auto", "all", "cpu")
+    want_cuda = requested in ("auto", "all", "cuda")
+    variants: list[Variant] = []
+    if want_cpu:
+        if "cpu" not in cfg.backends:
+            raise BuildError("build.toml does not list the cpu backend")
+        variants.append(Variant("cpu", f"{tag}-cxx11-cpu-x86_64-linux"))
+    if want_cuda and "cuda" in cfg.backends:
+        explicit = requested in ("cuda", "all")
+        if torch.version.cuda is None:
+            if explicit:
+                raise BuildError(f"the installed torch {torch.__version__} is not a CUDA build; cannot build cuda")
+        elif tc.nvcc is None:
+            if explicit:
+                raise BuildError("CUDA backend requested but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        else:
+            t_major, t_minor = (int(v) for v in torch.version.cuda.split(".")[:2])
+            n_major, n_minor = nvcc_version(tc.nvcc)
+            if n_major != t_major:
+                raise BuildError(
+                    f"nvcc is CUDA {n_major}.{n_minor} but torch was built with CUDA {torch.version.cuda}: "
+                    "the major versions must match for the variant to load"
+                )
+            caps = narrow_capabilities(cfg.cuda_capabilities())
+            variants.append(Variant("cuda", f"{tag}-cxx11-cu{t_major}{t_minor}-x86_64-linux", capabilities=caps))
+    elif requested == "cuda":
+        raise BuildError("build.toml does not list the cuda backend")
+    return variants
+
+
+def narrow_capabilities(all_caps: list[str]) -> list[str]:
+    env = os.environ.get(CAPS_ENV, "").replace(";", ",").replace(" ", ",")
+    wanted = [c for c in env.split(",") if c]
+    if not wanted:
+        return all_caps
+    unknown = [c for c in wanted if c not in all_caps]
+    if unknown:
+        raise BuildError(f"{CAPS_ENV} names {unknown}, not in build.toml's cuda-capabilities {all_caps}")
+    return [c for c in all_caps if c in wanted]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Generated glue (what kernel-builder generates)
+# --------------------------------------------------------------------------------------------------------
+
+REGISTRATION_H = """\
+// Generated by tools/build.py for {variant}; do not edit.
+// The op namespace and the extension module name are the same unique identifier, so that several builds of
+// this kernel can be loaded into one process.
+#pragma once
+#include <Python.h>
+
+#define _CONCAT(A, B) A##B
+#define CONCAT(A, B) _CONCAT(A, B)
+#define _STRINGIFY(A) #A
+#define STRINGIFY(A) _STRINGIFY(A)
+
+// TORCH_LIBRARY with a macro-expanded namespace.
+#define TORCH_LIBRARY_EXPAND(NAME, MODULE) TORCH_LIBRARY(NAME, MODULE)
+
+// An empty Python module, so that `from . import <name>` loads the shared library and its registrations.
+#define REGISTER_EXTENSION(NAME)                                                         \\
+  PyMODINIT_FUNC CONCAT(PyInit_, NAME)() {{                                               \\
+    static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, STRINGIFY(NAME), nullptr, 0, nullptr}}; \\
+    return PyModule_Create(&module);                                                     \\
+  }}
+"""
+
+OPS_PY = '''\
+# Generated by tools/build.py for {variant}; do not edit.
+import torch
+
+from . import {namespace}
+
+ops = torch.ops.{namespace}
+
+
+def add_op_namespace_prefix(op_name: str) -> str:
+    """Prefix op by namespace."""
+    return f"{namespace}::{{op_name}}"
+'''
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ninja file
+# --------------------------------------------------------------------------------------------------------
+
+
+def _esc(p: str | Path) -> str:
+    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path:
+    torch = _torch()
+    if tc.cuda_home is not None:
+        os.environ.setdefault("CUDA_HOME", str(tc.cuda_home))  # keeps cpp_extension from guessing (and warning)
+    from torch.utils import cpp_extension
+
+    torch_inc = cpp_extension.include_paths("cpu")[0]  # .../torch/include (no heavy api/ dir needed)
+    torch_lib = cpp_extension.library_paths("cpu")[0]
+    py_inc = sysconfig.get_paths()["include"]
+    gen = work / "gen"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+    common_defs = [
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-DPy_LIMITED_API=0x03090000",
+        f"-DTORCH_EXTENSION_NAME={v.namespace}",
+    ]
+    includes = [f"-I{gen}", f"-I{ROOT / 'kernels_src'}", f"-I{ROOT / 'torch-ext'}", f"-isystem {torch_inc}",
+                f"-isystem {py_inc}"]
+    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    if v.backend == "cpu":
+        common_defs.append("-DCPU_KERNEL")
+    cxxflags = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    nvccflags: list[str] = []
+    if v.backend == "cuda":
+        assert tc.cuda_home is not None
+        blas_inc, blas_lib, blas_link = find_cublaslt(tc.cuda_home)
+        common_defs += ["-DCUDA_KERNEL", "-DUSE_CUDA=1"]  # kernel-builder's per-backend macros
+        includes += [f"-isystem {tc.cuda_home / 'include'}"]
+        if blas_inc != tc.cuda_home / "include":
+            includes.append(f"-isystem {blas_inc}")
+        libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{tc.cuda_home / 'lib64'}", "-lcudart", f"-L{blas_lib}", blas_link]
+        gencode = []
+        for cap in v.capabilities:
+            num = cap.replace(".", "")
+            gencode.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        # PTX of the newest capability lets newer GPUs JIT-compile the kernels.
+        newest = v.capabilities[-1].replace(".", "")
+        gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+        nvccflags = [
+            "-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr",
+            "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden",
+            # Same as torch's extension defaults: keep CUDA's half operators out of the way of c10's.
+            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+            f"-ccbin={tc.cxx}",
+        ] + gencode + cfg.cuda_flags()
+
+    objs = []
+    lines = [
+        f"# Generated by tools/build.py for {v.name}; do not edit.",
+        "ninja_required_version = 1.3",
+        f"cxx = {tc.cxx}",
+        f"cxxflags = {' '.join(cxxflags + common_defs + includes + cfg.cxx_flags())}",
+        "rule cxx",
+        "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "  description = CXX $in",
+    ]
+    if v.backend == "cuda":
+        lines += [
+            f"nvcc = {tc.nvcc}",
+            f"nvccflags = {' '.join(nvccflags + common_defs + includes)}",
+            "rule nvcc",
+            "  command = $nvcc -MD -MF $out.d $nvccflags -c $in -o $out",
+            "  depfile = $out.d",
+            "  deps = gcc",
+            "  description = NVCC $in",
+        ]
+    lines += [
+        f"ldflags = -shared -fopenmp {' '.join(libs)}",
+        "rule link",
+        "  command = $cxx $in -o $out $ldflags",
+        "  description = LINK $out",
+    ]
+    for src in cfg.sources_for(v.backend):
+        if src.suffix in (".h", ".cuh", ".hpp"):
+            continue
+        rule = "nvcc" if src.suffix == ".cu" else "cxx"
+        obj = work / "obj" / (str(src.relative_to(ROOT)).replace("/", "__") + ".o")
+        objs.append(obj)
+        lines.append(f"build {_esc(obj)}: {rule} {_esc(src)}")
+    so = work / f"{v.namespace}.abi3.so"
+    lines.append(f"build {_esc(so)}: link {' '.join(_esc(o) for o in objs)}")
+    lines.append(f"default {_esc(so)}")
+    text = "\n".join(lines) + "\n"
+    ninja_file = work / "build.ninja"
+    if not ninja_file.exists() or ninja_file.read_text() != text:
+        ninja_file.write_text(text)
+    return so
+
+
+# --------------------------------------------------------------------------------------------------------
+# Build one variant
+# --------------------------------------------------------------------------------------------------------
+
+
+def content_hash(cfg: BuildConfig, v: Variant) -> str:
+    h = hashlib.sha256()
+    h.update(v.name.encode())
+    h.update(" ".join(v.capabilities).encode())
+    files = sorted(set(cfg.sources_for(v.backend)) | set((ROOT / "torch-ext" / cfg.python_name).rglob("*.py")))
+    for f in files:
+        h.update(str(f.relative_to(ROOT)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+KERNELS_MINVER = "0.17.0"  # the oldest `kernels` this layout and metadata were checked with
+
+
+def variant_digest(variant_dir: Path) -> dict | None:
+    """sha256 of every file of the variant, in kernel-builder's format, so `kernels` can verify the build."""
+    try:
+        from kernels._rust import Digest, DigestAlgorithm
+    except ImportError:
+        return None
+    return {"algorithm": "sha256", "files": dict(Digest.hash_variant(DigestAlgorithm.SHA256, str(variant_dir)).files)}
+
+
+def metadata_for(cfg: BuildConfig, v: Variant) -> dict:
+    backend: dict = {"type": v.backend}
+    if v.backend == "cuda":
+        backend["archs"] = list(v.capabilities)
+    return {
+        "id": v.namespace,
+        "name": cfg.name,
+        "version": cfg.version,
+        "license": cfg.license,
+        "upstream": cfg.hub_repo_id and f"https://huggingface.co/{cfg.hub_repo_id}",
+        "kernels-minver": KERNELS_MINVER,
+        "python-depends": cfg.python_depends,
+        "backend": backend,
+    }
+
+
+def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jobs: int | None, verbose: bool) -> Path:
+    v.namespace = f"_{cfg.python_name}_{v.backend}_{content_hash(cfg, v)}"
+    work = ROOT / ".build" / v.name
+    (work / "gen").mkdir(parents=True, exist_ok=True)
+    (work / "obj").mkdir(parents=True, exist_ok=True)
+    write_if_changed(work / "gen" / "registration.h", REGISTRATION_H.format(variant=v.name))
+    so = write_ninja(cfg, v, tc, work)
+
+    cmd = [tc.ninja, "-C", str(work)]
+    if jobs:
+        cmd += ["-j", str(jobs)]
+    if verbose:
+        cmd.append("-v")
+    print(f"[fused-mlp] building {v.name} ({v.namespace}"
+          + (f", capabilities {' '.join(v.capabilities)}" if v.capabilities else "") + ")", flush=True)
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        raise BuildError(f"compilation of {v.name} failed (see the compiler output above)")
+    # Old extension modules of earlier builds of this variant are stale: keep only the current one.
+    for old in work.glob("_*.abi3.so"):
+        if old != so:
+            old.unlink()
+
+    # Assemble the variant aside, then move it into place in one step.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{v.name}.", dir=ROOT / ".build"))
+    try:
+        pkg_src = ROOT / "torch-ext" / cfg.python_name
+        for py in sorted(pkg_src.rglob("*.py")):
+            if "__pycache__" in py.parts:
+                continue
+            dst = stage / py.relative_to(pkg_src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(py, dst)
+        (stage / "_ops.py").write_text(OPS_PY.format(variant=v.name, namespace=v.namespace))
+        shutil.copy2(so, stage / so.name)
+        meta = metadata_for(cfg, v)
+        digest = variant_digest(stage)  # before metadata.json exists: the digest never covers it
+        if digest is not None:
+            meta["digest"] = digest
+        (stage / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+        target = out_dir / v.name
+        trash = None
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".old.{v.name}.", dir=ROOT / ".build"))
+            os.replace(target, trash / "old")
+        os.replace(stage, target)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    return out_dir / v.name
+
+
+def abi_check(variant_dir: Path, strict: bool) -> None:
+    try:
+        from kernel_abi_check import ObjectFile
+    except ImportError:
+        msg = "kernel-abi-check is not installed; skipping the ABI check (`pip install kernel-abi-check`)"
+        if strict:
+            raise BuildError(msg)
+        print(f"[fused-mlp] {msg}")
+        return
+    for so in variant_dir.glob("*.so"):
+        obj = ObjectFile(str(so))
+        problems = list(obj.check_python_abi("3.9")) + list(obj.check_manylinux("manylinux_2_28"))
+        if problems:
+            text = "; ".join(str(p) for p in problems[:8])
+            if strict:
+                raise BuildError(f"ABI check failed for {so.name}: {text}")
+            print(f"[fused-mlp] ABI check problems in {so.name}: {text}")
+        else:
+            print(f"[fused-mlp] ABI check passed: {so.name} (abi3 >= 3.9, manylinux_2_28)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=["auto", "all", "cpu", "cuda"], default="auto",
+                    help="auto: cpu, plus cuda when torch is a CUDA build and nvcc exists (default); "
+                         "all/cuda: fail if cuda cannot be built")
+    ap.add_argument("--out", type=Path, default=ROOT / "build", help="output directory (default: build/)")
+    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
+    ap.add_argument("--abi-check", action="store_true", help="fail if kernel-abi-check reports a problem")
+    ap.add_argument("--clean", action="store_true", help="remove .build/ and the output directory first")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_build_config(ROOT / "build.toml")
+        if args.clean:
+            shutil.rmtree(ROOT / ".build", ignore_errors=True)
+            shutil.rmtree(args.out, ignore_errors=True)
+        nvcc, cuda_home = find_cuda()
+        tc = Toolchain(cxx=find_cxx(), nvcc=nvcc, cuda_home=cuda_home, ninja=find_ninja())
+        variants = plan_variants(cfg, args.backend, tc)
+        for v in variants:
+            path = build_variant(cfg, v, tc, args.out, args.jobs, args.verbose)
+            abi_check(path, args.abi_check)
+            print(f"[fused-mlp] built {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", flush=True)
+    except (BuildError, BuildConfigError) as e:
+        print(f"fused-mlp build error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Shared argument checks and autograd helpers for the fused_mlp ops (standard library and torch only)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(t: Any, name: str) -> torch.Tensor:
+    """`t` is a float32/float16/bfloat16 tensor, else TypeError naming the argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    return t
+
+
+def check_device(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must be on one device")
+
+
+def check_dtype_arg(dtype: Any, name: str) -> None:
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None or one of float32/float16/bfloat16, got {dtype}")
+
+
+def check_finite(value: Any, name: str, *, nonnegative: bool = False) -> float:
+    if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    value = float(value)
+    if not (-math.inf < value < math.inf):  # plain comparisons: dynamo cannot trace math.isfinite
+        raise ValueError(f"{name} must be finite, got {value}")
+    if nonnegative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit stride along n, as a view where the strides allow it (row stride free)."""
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None) -> None:
+    """On torch >= 2.14, have the autograd engine hand backward the incoming gradients uncast (None) or in the
+    given dtype, instead of casting an fp32 gradient down to a bf16/fp16 output's dtype. Older torch: no-op.
+
+    Skipped while dynamo traces (torch 2.14's dynamo does not model the declaration: its traced ctx lacks the
+    attribute the setter writes); compiled graphs get their backward dtypes from AOTAutograd instead."""
+    setter = getattr(ctx, "set_output_grad_dtype", None)
+    if setter is not None and not torch.compiler.is_compiling():
+        setter(*dtypes)

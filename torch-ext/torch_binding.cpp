@@ -1,0 +1,34 @@
+// fused-mlp op schemas and their registration: nothing else lives here.
+// The namespace (TORCH_EXTENSION_NAME) is unique per build; Python reaches the ops only through the generated
+// `_ops.add_op_namespace_prefix`. Every variant registers the CPU implementation of every op (the `kernels`
+// loader picks the variant from the installed torch, not from the tensors' device); the CUDA variant adds
+// the CUDA implementation, and the dispatcher picks by tensor device.
+#include <torch/library.h>
+
+#include "registration.h"
+#include "torch_binding.h"
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def(
+      "rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps, float offset, ScalarType out_dtype, "
+      "ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)");
+  ops.def(
+      "rms_norm_bwd(Tensor dy, Tensor h, Tensor rstd, Tensor? weight, Tensor? dh_extra, float offset, "
+      "ScalarType dx_dtype, bool compute_dw) -> (Tensor, Tensor)");
+
+  ops.impl("rms_norm_fwd", c10::kCPU, &rms_norm_fwd_cpu);
+  ops.impl("rms_norm_bwd", c10::kCPU, &rms_norm_bwd_cpu);
+#if defined(CUDA_KERNEL)
+  ops.impl("rms_norm_fwd", c10::kCUDA, &rms_norm_fwd_cuda);
+  ops.impl("rms_norm_bwd", c10::kCUDA, &rms_norm_bwd_cuda);
+#endif
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
+
+// libstdc++'s headers (gcc >= 11) read glibc's `__libc_single_threaded` (GLIBC_2.32), which would lift the
+// binary above manylinux_2_28. Binding to a module-private flag that says "assume multi-threaded" keeps
+// every reference-count update atomic and needs no newer glibc.
+extern "C" {
+__attribute__((visibility("hidden"))) char __libc_single_threaded = 0;
+}
