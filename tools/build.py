@@ -268,11 +268,9 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
     gen = work / "gen"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
 
-    common_defs = [
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        "-DPy_LIMITED_API=0x03090000",
-        f"-DTORCH_EXTENSION_NAME={v.namespace}",
-    ]
+    # TORCH_EXTENSION_NAME changes with every build's content hash, so only the binding files get it (a ninja
+    # per-edge variable): a change elsewhere then recompiles the binding and relinks, not every kernel.
+    common_defs = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPy_LIMITED_API=0x03090000"]
     includes = [f"-I{gen}", f"-I{ROOT / 'kernels_src'}", f"-I{ROOT / 'torch-ext'}", f"-isystem {torch_inc}",
                 f"-isystem {py_inc}"]
     libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
@@ -311,7 +309,7 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
         f"cxx = {tc.cxx}",
         f"cxxflags = {' '.join(cxxflags + common_defs + includes + cfg.cxx_flags())}",
         "rule cxx",
-        "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out",
+        "  command = $cxx -MMD -MF $out.d $cxxflags $defs -c $in -o $out",
         "  depfile = $out.d",
         "  deps = gcc",
         "  description = CXX $in",
@@ -321,7 +319,7 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
             f"nvcc = {tc.nvcc}",
             f"nvccflags = {' '.join(nvccflags + common_defs + includes)}",
             "rule nvcc",
-            "  command = $nvcc -MD -MF $out.d $nvccflags -c $in -o $out",
+            "  command = $nvcc -MD -MF $out.d $nvccflags $defs -c $in -o $out",
             "  depfile = $out.d",
             "  deps = gcc",
             "  description = NVCC $in",
@@ -339,6 +337,8 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
         obj = work / "obj" / (str(src.relative_to(ROOT)).replace("/", "__") + ".o")
         objs.append(obj)
         lines.append(f"build {_esc(obj)}: {rule} {_esc(src)}")
+        if src in cfg.torch_src:
+            lines.append(f"  defs = -DTORCH_EXTENSION_NAME={v.namespace}")
     so = work / f"{v.namespace}.abi3.so"
     lines.append(f"build {_esc(so)}: link {' '.join(_esc(o) for o in objs)}")
     lines.append(f"default {_esc(so)}")
@@ -455,7 +455,7 @@ def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jo
 
 def abi_check(variant_dir: Path, strict: bool) -> None:
     try:
-        from kernel_abi_check import ObjectFile
+        from abi_check import MANYLINUX, PYTHON_ABI, check_file
     except ImportError:
         msg = "kernel-abi-check is not installed; skipping the ABI check (`pip install kernel-abi-check`)"
         if strict:
@@ -463,15 +463,14 @@ def abi_check(variant_dir: Path, strict: bool) -> None:
         print(f"[fused-mlp] {msg}")
         return
     for so in variant_dir.glob("*.so"):
-        obj = ObjectFile(str(so))
-        problems = list(obj.check_python_abi("3.9")) + list(obj.check_manylinux("manylinux_2_28"))
+        problems = check_file(so)
         if problems:
-            text = "; ".join(str(p) for p in problems[:8])
+            text = "; ".join(problems[:8])
             if strict:
                 raise BuildError(f"ABI check failed for {so.name}: {text}")
             print(f"[fused-mlp] ABI check problems in {so.name}: {text}")
         else:
-            print(f"[fused-mlp] ABI check passed: {so.name} (abi3 >= 3.9, manylinux_2_28)")
+            print(f"[fused-mlp] ABI check passed: {so.name} (abi3 >= {PYTHON_ABI}, {MANYLINUX})")
 
 
 def main(argv: list[str] | None = None) -> int:
