@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is needed for, in one call (the session's GPU minutes are few):
+#   build the CUDA variant for that machine's torch, run the whole test suite on the GPU, compute-sanitizer
+#   over the compact kernel set, then the benchmarks. Logs, CSVs and plots go under $OUT (fetched back).
+# Usage on the GPU machine (with the wheels folder carried):  bash tools/gpu_session.sh [stages...]
+# stages: build tests sanitize bench e2e multigpu (default: build tests sanitize bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/fused-mlp-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export FUSED_MLP_CUDA_CAPABILITIES="${FUSED_MLP_CUDA_CAPABILITIES:-9.0}"
+# NVLink multicast stays off on shared multi-GPU hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stages="${*:-build tests sanitize bench}"
+[ -f .whl/prelude.sh ] && source .whl/prelude.sh
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
+for s in $stages; do
+  case "$s" in
+    build)
+      stamp build
+      python3 tools/build.py -j 16 2>&1 | tail -n 40 | tee "$OUT/build.log" ;;
+    tests)
+      stamp tests
+      timeout 420 python3 -m pytest tests -q -x --durations=15 -p no:cacheprovider \
+        --junitxml="$OUT/junit.xml" 2>&1 | tail -n 80 | tee "$OUT/tests.log" ;;
+    sanitize)
+      stamp sanitize
+      timeout 300 bash tools/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" ;;
+    bench)
+      stamp bench
+      timeout 330 python3 benchmarks/sweep.py --out "$OUT" 2>&1 | tail -n 60 | tee "$OUT/bench.log" ;;
+    e2e)
+      stamp e2e
+      timeout 300 python3 benchmarks/e2e.py --out "$OUT" 2>&1 | tail -n 40 | tee "$OUT/e2e.log" ;;
+    multigpu)
+      stamp multigpu
+      timeout 300 python3 -m pytest tests/test_distributed.py -q 2>&1 | tail -n 30 | tee "$OUT/multigpu.log" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+stamp done
