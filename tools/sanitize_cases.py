@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""A compact run of every CUDA kernel and configuration branch, for compute-sanitizer (tools/sanitize.sh).
+
+Small M, but N spanning every configuration of the kernels (tiny, odd, register-resident, shared-memory,
+general/large), all dtypes, unaligned row strides, residual and fp32-residual paths, all activations, with and
+without bias, forward and backward. Exits non-zero if a result disagrees with the reference, so a kernel that
+"passes" the sanitizer by computing nothing is caught too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    import kernels
+
+    fm = kernels.get_local_kernel(ROOT)
+    dev = "cuda"
+    torch.manual_seed(0)
+    bad = []
+
+    def check(name, out, ref, tol):
+        err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+        if not err <= tol:
+            bad.append(f"{name}: max err {err:.3g} > {tol:g}")
+
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    tol = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-3}
+    for n in [1, 3, 127, 1000, 2304, 4096, 8192, 16385, 65536, 131072]:
+        for dt in dtypes:
+            m = 3 if n >= 65536 else 7
+            # row stride n + 8 (and +1 for an unaligned one) exercises the strided / scalar paths
+            for pad in (0, 1):
+                # pad=1: a row stride of n + 1 breaks 16-byte alignment and exercises the scalar/strided paths
+                x = torch.randn(m, n + pad, device=dev, dtype=dt)[:, :n]
+                w = torch.randn(n, device=dev, dtype=dt)
+                r = torch.randn(m, n, device=dev, dtype=dt)
+                y = fm.rms_norm(x, w)
+                check(f"rms fwd n={n} {dt} pad={pad}", y, fm.rms_norm_reference(x, w), tol[dt])
+                y2, _ = fm.rms_norm(x, w, residual=r, residual_dtype=torch.float32, offset=1.0)
+                ref2, _ = fm.rms_norm_reference(x, w, residual=r, residual_dtype=torch.float32, offset=1.0)
+                check(f"rms res fwd n={n} {dt} pad={pad}", y2, ref2, tol[dt])
+                xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+                rg = r.detach().requires_grad_(True)
+                y3, h3 = fm.rms_norm(xg, wg, residual=rg)
+                (y3.float().square().sum() + h3.float().sum()).backward()
+                g = torch.randn(m, n, device=dev, dtype=dt)
+                up = torch.randn(m, n, device=dev, dtype=dt, requires_grad=True)
+                gate = x.detach().requires_grad_(True)
+                for name, fn, ref in (("geglu", fm.geglu, fm.geglu_reference),
+                                      ("swiglu", fm.swiglu, fm.swiglu_reference)):
+                    out = fn(gate, up)
+                    check(f"{name} n={n} {dt} pad={pad}", out, ref(gate, up), tol[dt])
+                    out.backward(g)
+                out = fm.geglu(gate, up, approximate="none")
+                check(f"geglu-erf n={n} {dt} pad={pad}", out, fm.geglu_reference(gate, up, approximate="none"), tol[dt])
+                out.backward(g)
+    for (m, k, n) in [(1, 64, 64), (7, 100, 33), (64, 256, 512), (300, 512, 1000)]:
+        for dt in dtypes:
+            for act in (None, "gelu_tanh", "gelu"):
+                for with_bias in (True, False):
+                    a = torch.randn(m, k, device=dev, dtype=dt, requires_grad=True)
+                    wt = (torch.randn(n, k, device=dev, dtype=dt) / k**0.5).requires_grad_(True)
+                    b = torch.randn(n, device=dev, dtype=dt, requires_grad=True) if with_bias else None
+                    out = fm.linear(a, wt, b, activation=act)
+                    ref = fm.linear_reference(a.float(), wt.float(), None if b is None else b.float(), activation=act)
+                    check(f"linear m={m} k={k} n={n} {dt} {act} bias={with_bias}", out, ref.to(dt), tol[dt] * 4)
+                    out.float().sum().backward()
+    torch.cuda.synchronize()
+    for line in bad:
+        print("MISMATCH", line)
+    print(f"sanitize cases done: {len(bad)} mismatches")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
