@@ -630,3 +630,46 @@ def test_autocast(fm, device):
         want = F.linear(x, w, b)
     assert out.dtype == want.dtype == dt
     assert_rounded_once(out, b.to(dt), x.to(dt), w.t().to(dt), "gelu_tanh")
+
+
+@requires_cuda
+def test_opt_in_autotune_keeps_numerics():
+    """FUSED_MLP_ADDMM_AUTOTUNE=1 (read once per process, hence a child process): large GEMMs time the heuristic's
+    candidates once; the results stay rounded once and the gradients pass the 2x rule; repeated calls are equal."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import ROOT
+
+    code = textwrap.dedent(
+        """
+        import pathlib, sys, torch, kernels
+        sys.path.insert(0, "tests")
+        import test_addmm as T
+        from _utils import assert_2x_rule
+        fm = kernels.get_local_kernel(pathlib.Path(T_ROOT))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        x, w_kn, b = T._make((2048, 2048, 2048), torch.bfloat16, "cuda")  # 17 GFLOP: above the tuning threshold
+        for act in T.ACTS:
+            out = fm.addmm(b, x, w_kn, activation=act)
+            T.assert_rounded_once(out, b, x, w_kn, act)
+            assert torch.equal(out, fm.addmm(b, x, w_kn, activation=act))
+        w = w_kn.t().contiguous()
+        gy = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+        grads = {}
+        for name, dt, fn in (("ours", torch.bfloat16, lambda xx, ww, bb: fm.linear(xx, ww, bb, activation="gelu_tanh")),
+                             ("torch", torch.bfloat16, lambda xx, ww, bb: T._torch_same_dtype(bb, xx, ww.t(), "gelu_tanh")),
+                             ("ref", torch.float64, lambda xx, ww, bb: T._act64(torch.nn.functional.linear(xx, ww, bb), "gelu_tanh"))):
+            xx, ww, bb = (t.to(dt).clone().requires_grad_() for t in (x, w, b))
+            fn(xx, ww, bb).backward(gy.to(dt))
+            grads[name] = (xx.grad, ww.grad, bb.grad)
+        for o, t, r, what in zip(grads["ours"], grads["torch"], grads["ref"], ("dx", "dw", "db")):
+            assert_2x_rule(o, r, t, name=what)
+        print("AUTOTUNE-OK")
+        """
+    ).replace("T_ROOT", repr(str(ROOT)))
+    env = {**os.environ, "FUSED_MLP_ADDMM_AUTOTUNE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "AUTOTUNE-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
