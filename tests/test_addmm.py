@@ -455,11 +455,13 @@ def test_direct_op_calls_check_arguments(fm, device):
     ops = fm._ops.ops
     x, w_kn, b = _make((8, 32, 16), torch.float32, device)
     with pytest.raises(RuntimeError, match="inner dims differ"):
-        ops.addmm_fwd(b, x, torch.randn(31, 16, device=device), 0, False)
+        ops.addmm_fwd(b, x, torch.randn(31, 16, device=device), 0, False, [8, 16])
     with pytest.raises(RuntimeError, match="bias must be"):
-        ops.addmm_fwd(b[:15], x, w_kn, 0, False)
+        ops.addmm_fwd(b[:15], x, w_kn, 0, False, [8, 16])
     with pytest.raises(RuntimeError, match="activation code"):
-        ops.addmm_fwd(b, x, w_kn, 7, False)
+        ops.addmm_fwd(b, x, w_kn, 7, False, [8, 16])
+    with pytest.raises(RuntimeError, match="out_shape"):
+        ops.addmm_fwd(b, x, w_kn, 0, False, [8, 15])
     with pytest.raises(RuntimeError, match="pre-activation"):
         ops.addmm_bwd(torch.randn(8, 16, device=device), None, x, w_kn, 1, True, True, False, True, torch.float32)
 
@@ -485,12 +487,12 @@ def test_opcheck(fm, device):
     b32 = b.float()
     dy = torch.randn(9, 16, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=torch.bfloat16)
     fwd_cases = [
-        (b, x, w_kn, 0, False), (b, x, w_kn, 1, True), (b, x, w_row, 2, True), (None, x, w_row, 1, False),
-        (b32, x, w_kn, 2, True), (b, x[:0], w_kn, 1, True),
+        (b, x, w_kn, 0, False, [9, 16]), (b, x, w_kn, 1, True, [3, 3, 16]), (b, x, w_row, 2, True, [9, 16]),
+        (None, x, w_row, 1, False, [9, 1, 16]), (b32, x, w_kn, 2, True, [9, 16]), (b, x[:0], w_kn, 1, True, [0, 16]),
     ]
     for args in fwd_cases:
         torch.library.opcheck(ops.addmm_fwd.default, args)
-    _, z = ops.addmm_fwd(b, x, w_kn, 1, True)
+    _, z = ops.addmm_fwd(b, x, w_kn, 1, True, [9, 16])
     bwd_cases = [
         (dy, None, x, w_kn, 0, True, True, True, True, torch.bfloat16),
         (dy.float(), z, x, w_kn, 1, True, True, True, True, torch.float32),
@@ -673,3 +675,19 @@ def test_opt_in_autotune_keeps_numerics():
     env = {**os.environ, "FUSED_MLP_ADDMM_AUTOTUNE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "AUTOTUNE-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_inplace_on_output_is_allowed(fm, device, act):
+    """Models modify linear outputs in place (nn.Linear allows it): the output must not be a view created inside
+    the autograd Function. Gradients then follow the in-place op."""
+    x, w_kn, b = _make((12, 32, 16), torch.float32, device)
+    for shape in ((12, 32), (3, 4, 32)):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x.reshape(shape), w_kn.t().contiguous(), b))
+        y = fm.linear(xs, ws, bs, activation=act)
+        y.mul_(2).add_(1)
+        y.sum().backward()
+        xr, wr, br = (t.detach().double().requires_grad_() for t in (xs, ws, bs))
+        (_act64(F.linear(xr, wr, br), act) * 2 + 1).sum().backward()
+        for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)

@@ -24,7 +24,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 #endif
 
   // ---- addmm / linear ----
-  ops.def("addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact) -> (Tensor, Tensor)");
+  ops.def(
+      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact, SymInt[] out_shape) -> "
+      "(Tensor, Tensor)");
   ops.def(
       "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, int activation, bool need_dx, bool need_dw, "
       "bool dw_transposed, bool need_db, ScalarType db_dtype) -> (Tensor, Tensor, Tensor)");

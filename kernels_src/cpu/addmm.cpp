@@ -108,6 +108,26 @@ void check_addmm_args(const std::optional<at::Tensor>& bias, const at::Tensor& m
   }
 }
 
+}  // namespace
+}  // namespace fused_mlp::cpu
+
+// [..., N] with M * N elements: the shape y is allocated with (shared with the CUDA entry point).
+std::vector<int64_t> check_out_shape(c10::SymIntArrayRef out_shape, int64_t M, int64_t N) {
+  std::vector<int64_t> shape;
+  shape.reserve(out_shape.size());
+  int64_t numel = 1;
+  for (const c10::SymInt& s : out_shape) {
+    shape.push_back(s.expect_int());
+    numel *= shape.back();
+  }
+  TORCH_CHECK(!shape.empty() && shape.back() == N && numel == M * N, "fused_mlp: out_shape ", c10::IntArrayRef(shape),
+              " must be [..., ", N, "] with ", M, " x ", N, " elements");
+  return shape;
+}
+
+namespace fused_mlp::cpu {
+namespace {
+
 // bias as an fp32 row (empty without bias).
 std::vector<float> bias_row(const std::optional<at::Tensor>& bias, int64_t n) {
   std::vector<float> b;
@@ -125,16 +145,18 @@ std::vector<float> bias_row(const std::optional<at::Tensor>& bias, int64_t n) {
 using namespace fused_mlp::cpu;
 
 std::tuple<at::Tensor, at::Tensor> addmm_fwd_cpu(const std::optional<at::Tensor>& bias, const at::Tensor& mat1,
-                                                 const at::Tensor& mat2, int64_t activation, bool save_preact) {
+                                                 const at::Tensor& mat2, int64_t activation, bool save_preact,
+                                                 c10::SymIntArrayRef out_shape) {
   // The at::mm calls inside must not be re-cast by an enclosing torch.autocast (the Python API already cast).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_addmm_args(bias, mat1, mat2, activation);
   const int64_t M = mat1.size(0), K = mat1.size(1), N = mat2.size(1);
   const at::ScalarType T = mat1.scalar_type();
   const bool want_z = save_preact && activation != 0;
-  auto y = at::empty({M, N}, mat1.options());
+  auto y_out = at::empty(check_out_shape(out_shape, M, N), mat1.options());
+  const at::Tensor y = y_out.view({M, N});
   auto z = want_z ? at::empty({M, N}, mat1.options()) : at::empty({0}, mat1.options());
-  if (M == 0 || N == 0) return {y, z};
+  if (M == 0 || N == 0) return {y_out, z};
 
   // fp32 accumulator [M, N] (contiguous): an fp32 GEMM of the (exactly) widened operands.
   at::Tensor acc = K == 0 ? at::zeros({M, N}, mat1.options().dtype(at::kFloat))
@@ -158,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cpu(const std::optional<at::Tensor>
       store_row(row.data(), T, row_ptr_mut(y, r), N);
     }
   });
-  return {y, z};
+  return {y_out, z};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cpu(

@@ -605,7 +605,8 @@ void check_cuda_args(const std::optional<at::Tensor>& bias, const at::Tensor& ma
 using namespace fused_mlp::cuda;
 
 std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor>& bias_in, const at::Tensor& mat1_in,
-                                                  const at::Tensor& mat2_in, int64_t activation, bool save_preact) {
+                                                  const at::Tensor& mat2_in, int64_t activation, bool save_preact,
+                                                  c10::SymIntArrayRef out_shape) {
   // The at::mm calls inside must not be re-cast by an enclosing torch.autocast (the Python API already cast).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   check_cuda_args(bias_in, mat1_in, mat2_in, activation);
@@ -614,9 +615,10 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
   const at::ScalarType T = mat1_in.scalar_type();
   const int act = static_cast<int>(activation);
   const bool want_z = save_preact && act != kActNone;
-  auto y = at::empty({M, N}, mat1_in.options());
+  auto y_out = at::empty(check_out_shape(out_shape, M, N), mat1_in.options());  // the caller's [..., N]
+  const at::Tensor y = y_out.view({M, N});
   auto z = want_z ? at::empty({M, N}, mat1_in.options()) : at::empty({0}, mat1_in.options());
-  if (M == 0 || N == 0) return {y, z};
+  if (M == 0 || N == 0) return {y_out, z};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   // Bias: contiguous, 16-byte aligned (cuBLASLt's alignment preferences do not cover the epilogue's bias pointer;
@@ -631,7 +633,7 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
 
   if (K == 0) {  // empty product: y = act(bias), z = bias (or zeros)
     launch_bias_act(nullptr, bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
-    return {y, z};
+    return {y_out, z};
   }
 
   const at::Tensor mat1 = as_gemm_rows(mat1_in);
@@ -668,7 +670,7 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
       f.epilogue = bias.has_value() ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
     }
     if (mode == 0) {
-      if (lt_gemm(f)) return {y, z};
+      if (lt_gemm(f)) return {y_out, z};
       warn_fallback(0, "has no algorithm for this fused epilogue", f);
     } else {
       warn_fallback(0, "fused epilogue disabled by _addmm_lt_force_fallback", f);
@@ -688,7 +690,7 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
     at::mm_out(acc, mat1.to(at::kFloat), w.t.to(at::kFloat));
   }
   launch_bias_act(acc.const_data_ptr<float>(), bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
-  return {y, z};
+  return {y_out, z};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(

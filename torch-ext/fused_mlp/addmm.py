@@ -36,10 +36,10 @@ _ACTIVATIONS = {None: 0, "gelu_tanh": 1, "gelu": 2}
 
 
 @torch.library.register_fake(add_op_namespace_prefix("addmm_fwd"))
-def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact):
+def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact, out_shape):
     m = mat1.shape[0]
     n = mat2.shape[1]
-    y = mat1.new_empty((m, n))
+    y = mat1.new_empty(out_shape)
     z = mat1.new_empty((m, n)) if (save_preact and activation != 0) else mat1.new_empty((0,))
     return y, z
 
@@ -64,14 +64,14 @@ class _AddmmFunction(torch.autograd.Function):
     """``mat1`` is already 2-D ``[M, K]`` (reshaped before ``apply`` so ranks stay stable under torch.compile);
     ``mat2`` is ``[K, N]`` in a layout the kernels use in place (see ``_mat2_layout``).
 
-    The output is returned already viewed as ``out_shape`` (``[..., N]``): a view taken *after* ``apply`` would put
-    a ViewBackward node between the consumer and this Function, and the engine would cast an fp32 gradient to
-    the output dtype at that node, defeating ``set_output_grad_dtype``."""
+    The op allocates the output directly in the caller's shape ``out_shape`` (``[..., N]``). Neither a view taken
+    after ``apply`` (a ViewBackward node in between: the engine would cast an fp32 gradient to the output dtype
+    there, defeating ``set_output_grad_dtype``) nor a view returned from ``forward`` (in-place ops on the output,
+    which nn.Linear allows, would then be refused) would do."""
 
     @staticmethod
     def forward(bias, mat1, mat2, activation, save_preact, dw_transposed, out_shape):
-        y, z = ops.addmm_fwd(bias, mat1, mat2, activation, save_preact)
-        return y.view(out_shape), z
+        return ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -184,7 +184,7 @@ def _addmm_impl(
         and torch.is_grad_enabled()
         and (x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad))
     )
-    y, _ = _AddmmFunction.apply(bias, x2, w2, act, save_preact, dw_transposed, (*lead, n))
+    y, _ = _AddmmFunction.apply(bias, x2, w2, act, save_preact, dw_transposed, [*lead, n])
     return y
 
 
