@@ -8,10 +8,10 @@
 // applied to that fp32 accumulator and the result is rounded once. Cost of "correct first": for bf16/fp16 inputs
 // both operands are widened to fp32 copies on every call (K*(M+N) extra fp32 elements written and read), and the
 // [M, N] fp32 accumulator is a temporary. fp32 inputs are used in place.
-// Backward: dZ = dY * act'(Z) in fp32 (Z = the saved pre-activation), db = column sums of dZ accumulated in fp64
-// in a fixed order (independent of the thread count), dX = dZ @ mat2^T and dW = mat1^T @ dZ as fp32 GEMMs on the fp32 dZ
-// (unrounded: slightly more exact than the GPU path, whose GEMM operands must be in the input dtype), each
-// rounded once.
+// Backward: dZ = dY * act'(Z) in fp32 (Z = the saved pre-activation), db = column sums of dZ accumulated in
+// fp64 in a fixed order (independent of the thread count), dX = dZ @ mat2^T and dW = mat1^T @ dZ as fp32 GEMMs on
+// the fp32 dZ (unrounded: slightly more exact than the GPU path, whose GEMM operands must be in the input dtype),
+// each rounded once.
 //
 // Also home of the test hook that forces the CUDA path's cuBLASLt fallbacks (this file is compiled into every
 // variant; the CUDA code reads the flags through torch_binding.h).

@@ -35,8 +35,9 @@
 // One elementwise kernel: dZ = dY * act'(Z) in fp32 (dY fp32 or the output dtype: with ctx.set_output_grad_dtype an
 // fp32 gradient arrives uncast), written in the input dtype for the two GEMMs (cuBLASLt wants A and B of one type),
 // and the bias gradient db = sum over rows of the fp32 dZ, accumulated in fp64 (free in this memory-bound pass) as
-// per-block partials + a column reduction in a fixed order (deterministic, no atomics), rounded once. Without an activation and with dY already in the input dtype, dY is the GEMM
-// operand as is and the kernel only sums. dX and dW are plain cuBLASLt GEMMs (DEFAULT epilogue).
+// per-block partials + a column reduction in a fixed order (deterministic, no atomics), rounded once. Without an
+// activation and with dY already in the input dtype, dY is the GEMM operand as is and the kernel only sums.
+// dX and dW are plain cuBLASLt GEMMs (DEFAULT epilogue).
 // Not used, deliberately: DGELU_BGRAD (needs the dGeLU to follow a GEMM, but here dY is an input; in MLP chains
 // it measured 35-60% slower than GEMM + elementwise on the H200) and BGRADA/BGRADB on the dW GEMM (measured no
 // faster than plain dW + a column sum: 1.80 vs 1.48 + 0.07 ms at 8192x4096x16384 bf16; the bias grad would also be
@@ -53,8 +54,7 @@
 // pointer alignments, workspace size) in a thread-local table; a cached call only updates the bias/aux pointers
 // and launches. Opt-in (FUSED_MLP_ADDMM_AUTOTUNE=1): large GEMMs time the heuristic's top 8 candidates once and keep
 // the fastest (see the tuning table below). No device allocation besides the outputs, except the fp32 accumulator
-// of the exact paths and the
-// small [blocks, N] fp64 partial-sum buffer of the backward.
+// of the exact paths, the dZ operand and the small [blocks, N] fp64 partial-sum buffer of the backward.
 //
 // ---- Fallback ----
 // If cuBLASLt has no algorithm for a fused epilogue (or the matmul returns an error), warn once and take the
