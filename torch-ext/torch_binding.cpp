@@ -22,6 +22,21 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rms_norm_fwd", c10::kCUDA, &rms_norm_fwd_cuda);
   ops.impl("rms_norm_bwd", c10::kCUDA, &rms_norm_bwd_cuda);
 #endif
+
+  // ---- addmm / linear ----
+  ops.def(
+      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact, SymInt[] out_shape) -> "
+      "(Tensor, Tensor)");
+  ops.def(
+      "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, int activation, bool need_dx, bool need_dw, "
+      "bool dw_transposed, bool need_db, ScalarType db_dtype) -> (Tensor, Tensor, Tensor)");
+  ops.def("_addmm_lt_force_fallback(int mode) -> int", &addmm_lt_force_fallback);  // test hook, no tensors
+  ops.impl("addmm_fwd", c10::kCPU, &addmm_fwd_cpu);
+  ops.impl("addmm_bwd", c10::kCPU, &addmm_bwd_cpu);
+#if defined(CUDA_KERNEL)
+  ops.impl("addmm_fwd", c10::kCUDA, &addmm_fwd_cuda);
+  ops.impl("addmm_bwd", c10::kCUDA, &addmm_bwd_cuda);
+#endif
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -5,8 +5,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/SymIntArrayRef.h>
 
 #include <optional>
+#include <vector>
 #include <tuple>
 
 // ---- RMSNorm -------------------------------------------------------------------------------------------
@@ -28,4 +30,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
     const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw);
+#endif
+
+// ---- addmm / linear ------------------------------------------------------------------------------------------
+// fwd: y = act(mat1 @ mat2 + bias), bias and activation applied to the fp32 accumulator, rounded once.
+// mat1 [M, K], mat2 [K, N] (row- or column-major, used in place), bias [N] (mat dtype or fp32) or none;
+// activation: 0 none, 1 gelu_tanh, 2 gelu (erf). returns (y allocated as out_shape = [..., N] with M*N elements (the
+// caller's final shape, so autograd never sees a view of the op's output), preact Z = mat1 @ mat2 + bias [M, N] in
+// the mat dtype when save_preact and activation != 0, else [0]).
+std::tuple<at::Tensor, at::Tensor> addmm_fwd_cpu(const std::optional<at::Tensor>& bias, const at::Tensor& mat1,
+                                                 const at::Tensor& mat2, int64_t activation, bool save_preact,
+                                                 c10::SymIntArrayRef out_shape);
+// bwd: dZ = dy * act'(Z); dx = dZ @ mat2^T [M, K]; dw = mat1^T @ dZ as [K, N], or as [N, K] when dw_transposed;
+// db = sum over rows of dZ (fp32 sums) in db_dtype. Unrequested outputs are [0]. dy: mat dtype or fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cpu(
+    const at::Tensor& dy, const std::optional<at::Tensor>& preact, const at::Tensor& mat1, const at::Tensor& mat2,
+    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, at::ScalarType db_dtype);
+// Test hook: 0 normal, 1 = treat cuBLASLt's fused epilogues as unavailable, 2 = treat cuBLASLt as unavailable.
+// Returns the previous mode and re-arms the warn-once messages. No effect on CPU tensors.
+int64_t addmm_lt_force_fallback(int64_t mode);
+std::vector<int64_t> check_out_shape(c10::SymIntArrayRef out_shape, int64_t M, int64_t N);
+int addmm_lt_fallback_mode();
+bool addmm_lt_first_warning(int which);  // true the first time per slot (0: fused epilogue, 1: cuBLASLt)
+
+#if defined(CUDA_KERNEL)
+std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor>& bias, const at::Tensor& mat1,
+                                                  const at::Tensor& mat2, int64_t activation, bool save_preact,
+                                                  c10::SymIntArrayRef out_shape);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
+    const at::Tensor& dy, const std::optional<at::Tensor>& preact, const at::Tensor& mat1, const at::Tensor& mat2,
+    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, at::ScalarType db_dtype);
 #endif

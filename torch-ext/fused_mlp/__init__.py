@@ -8,3 +8,8 @@ from . import layers
 from .rms_norm import rms_norm, rms_norm_reference
 
 __all__ = ["layers", "rms_norm", "rms_norm_reference"]
+
+# ---- addmm / linear (bias + GeLU on the fp32 GEMM accumulator) ----
+from .addmm import addmm, addmm_reference, linear, linear_reference  # noqa: E402
+
+__all__ += ["addmm", "addmm_reference", "linear", "linear_reference"]

@@ -39,3 +39,38 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=1.0, out_dtype=x.dtype)
+
+
+# ---- addmm / linear layers ------------------------------------------------------------------------------------
+
+from .addmm import addmm as _addmm  # noqa: E402
+from .addmm import linear as _linear  # noqa: E402
+
+__all__ += ["Linear", "Conv1D"]
+
+
+class Linear(nn.Module):
+    """``nn.Linear``: ``input @ weight.T + bias`` with the bias added to the fp32 GEMM accumulator (one rounding)
+    and the bias gradient summed in fp32.
+
+    Reads ``weight`` ``[out, in]`` (used in place, no transpose copy) and ``bias`` (may be None). Output dtype as
+    ``nn.Linear``'s (the input's; under autocast, the autocast dtype).
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _linear(input, self.weight, self.bias)
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 style ``Conv1D``: ``addmm(bias, x.view(-1, in), weight).view(..., out)`` with
+    ``weight`` ``[in, out]`` (used in place) and ``bias`` ``[out]``, fused on the fp32 accumulator.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _addmm(self.bias, x, self.weight)

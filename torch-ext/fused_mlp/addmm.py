@@ -1,0 +1,281 @@
+"""addmm / linear with the bias and the GeLU applied to the fp32 GEMM accumulator: ``y = act(bias + mat1 @ mat2)``.
+
+Shapes: ``mat1`` ``[..., K]`` (any leading dims; torch.addmm's 2-D ``[M, K]`` is the common case), ``mat2``
+``[K, N]`` in either memory orientation (a Conv1D ``[in, out]`` weight, or ``nn.Linear``'s ``[out, in]`` weight
+seen through ``.t()`` — both used in place, no copy), ``bias`` ``[N]`` (or anything that broadcasts to it:
+``[]``, ``[1]``, ``[1, N]``). ``linear(input, weight, bias)`` is ``addmm(bias, input, weight.t())``.
+
+Numerics contract: the product accumulates in fp32, the bias is added to the fp32 accumulator, the activation is
+evaluated in fp32, and the result is rounded once to the input dtype — never an mm rounded to bf16 and then an
+add. ``activation``: ``None``; ``"gelu_tanh"`` (tanh approximation; on CUDA this is cuBLASLt's GELU epilogue,
+which is the tanh form); ``"gelu"`` (exact erf GeLU: cuBLASLt has no such epilogue, so the GEMM writes the fp32
+accumulator and one kernel applies bias + erf-GeLU and rounds once). An fp32 bias with bf16/fp16 inputs is added
+in fp32 too (cuBLASLt's epilogue wants the bias in the output dtype, which would round it first).
+
+Backward: ``dZ = dY * act'(Z)`` in fp32 with ``Z`` the saved pre-activation (input dtype), the bias gradient
+summed in fp32 in a fixed order (deterministic), then two plain GEMMs for ``dX`` and ``dW``; ``dW`` has the
+weight's own memory layout. An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast
+(``ctx.set_output_grad_dtype`` on torch >= 2.14). Under ``torch.autocast`` the inputs are cast like
+``F.linear``/``torch.addmm`` are. Design notes and the exact cuBLASLt mapping: ``kernels_src/cuda/addmm.cu``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._common import check_device, check_tensor, declare_grad_dtypes
+from ._ops import add_op_namespace_prefix, ops
+
+__all__ = ["addmm", "linear", "addmm_reference", "linear_reference"]
+
+_ACTIVATIONS = {None: 0, "gelu_tanh": 1, "gelu": 2}
+
+
+# ---- custom ops: fake implementations for torch.compile --------------------------------------------------
+
+
+@torch.library.register_fake(add_op_namespace_prefix("addmm_fwd"))
+def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact, out_shape):
+    m = mat1.shape[0]
+    n = mat2.shape[1]
+    y = mat1.new_empty(out_shape)
+    z = mat1.new_empty((m, n)) if (save_preact and activation != 0) else mat1.new_empty((0,))
+    return y, z
+
+
+@torch.library.register_fake(add_op_namespace_prefix("addmm_bwd"))
+def _addmm_bwd_fake(dy, preact, mat1, mat2, activation, need_dx, need_dw, dw_transposed, need_db, db_dtype):
+    m, k = mat1.shape
+    n = mat2.shape[1]
+    dx = mat1.new_empty((m, k)) if need_dx else mat1.new_empty((0,))
+    if need_dw:
+        dw = mat1.new_empty((n, k) if dw_transposed else (k, n))
+    else:
+        dw = mat1.new_empty((0,))
+    db = mat1.new_empty((n,), dtype=db_dtype) if need_db else mat1.new_empty((0,), dtype=db_dtype)
+    return dx, dw, db
+
+
+# ---- autograd ---------------------------------------------------------------------------------------------
+
+
+class _AddmmFunction(torch.autograd.Function):
+    """``mat1`` is already 2-D ``[M, K]`` (reshaped before ``apply`` so ranks stay stable under torch.compile);
+    ``mat2`` is ``[K, N]`` in a layout the kernels use in place (see ``_mat2_layout``).
+
+    The op allocates the output directly in the caller's shape ``out_shape`` (``[..., N]``). Neither a view taken
+    after ``apply`` (a ViewBackward node in between: the engine would cast an fp32 gradient to the output dtype
+    there, defeating ``set_output_grad_dtype``) nor a view returned from ``forward`` (in-place ops on the output,
+    which nn.Linear allows, would then be refused) would do."""
+
+    @staticmethod
+    def forward(bias, mat1, mat2, activation, save_preact, dw_transposed, out_shape):
+        return ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        bias, mat1, mat2, activation, save_preact, dw_transposed, _ = inputs
+        _, z = output
+        ctx.save_for_backward(mat1, mat2, z if activation != 0 else None)
+        ctx.mark_non_differentiable(z)
+        ctx.activation = activation
+        ctx.dw_transposed = dw_transposed
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else mat1.dtype
+        # An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast (it reads either dtype).
+        declare_grad_dtypes(ctx, None, None)
+
+    @staticmethod
+    def backward(ctx, dy, _dz):
+        mat1, mat2, z = ctx.saved_tensors
+        need_db = ctx.has_bias and ctx.needs_input_grad[0]
+        need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dy = dy.reshape(mat1.shape[0], mat2.shape[1])  # [..., N] -> [M, N]; the kernels take any row stride
+        if dy.dtype != mat1.dtype and dy.dtype != torch.float32:
+            dy = dy.to(mat1.dtype)
+        dx, dw, db = ops.addmm_bwd(
+            dy, z, mat1, mat2, ctx.activation, need_dx, need_dw, ctx.dw_transposed, need_db, ctx.bias_dtype
+        )
+        if need_dw and ctx.dw_transposed:
+            dw = dw.t()
+        return (db if need_db else None), (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+
+
+# ---- argument handling ------------------------------------------------------------------------------------
+
+
+def _activation_code(activation: str | None) -> int:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'gelu_tanh' or 'gelu', got {activation!r}")
+    return _ACTIVATIONS[activation]
+
+
+def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``w`` ``[K, N]`` as the kernels read it: row-major (-> False) or column-major (-> True, e.g. an nn.Linear
+    weight ``.t()``), or a contiguous copy when neither stride pattern fits. The C++ side makes the same choice;
+    the flag only fixes the layout of dW (the parameter's own, so autograd never copies the gradient)."""
+    k, n = w.shape
+    s0, s1 = w.stride()
+    if (n <= 1 or s1 == 1) and (k <= 1 or s0 >= max(n, 1)):
+        return w, False
+    if (k <= 1 or s0 == 1) and (n <= 1 or s1 >= max(k, 1)):
+        return w, True
+    return w.contiguous(), False
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _addmm_impl(
+    bias: torch.Tensor | None,
+    x: torch.Tensor,
+    w_kn: torch.Tensor,
+    activation: str | None,
+    names: tuple[str, str, str],
+    w_shape_text: str,
+) -> torch.Tensor:
+    """Shared checks and dispatch. ``w_kn`` is the ``[K, N]`` operand (``weight.t()`` for linear)."""
+    bias_name, x_name, w_name = names
+    act = _activation_code(activation)
+    check_tensor(x, x_name)
+    check_tensor(w_kn, w_name)
+    check_device(w_kn, x, w_name, x_name)
+    if x.dim() < 1:
+        raise ValueError(f"{x_name} must have at least one dimension [..., K], got a 0-d tensor")
+    k = x.shape[-1]
+    if w_kn.shape[0] != k:
+        raise ValueError(
+            f"{x_name} [..., {k}] and {w_name} {w_shape_text} cannot be multiplied: inner dimensions differ "
+            f"({k} vs {w_kn.shape[0]})"
+        )
+    n = w_kn.shape[1]
+    if bias is not None:
+        check_tensor(bias, bias_name)
+        check_device(bias, x, bias_name, x_name)
+        if not (bias.numel() == 1 or (bias.dim() >= 1 and bias.shape[-1] == n and bias.numel() == n)):
+            raise ValueError(
+                f"{bias_name} must have shape [{n}] (or broadcast to it along the rows: [], [1], [1, {n}]), "
+                f"got {list(bias.shape)}"
+            )
+
+    cast = _autocast_dtype(x.device.type)
+    if cast is not None:  # what autocast does for F.linear / torch.addmm: every operand in the autocast dtype
+        x, w_kn = x.to(cast), w_kn.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+    if x.dtype != w_kn.dtype:
+        raise TypeError(f"{x_name} ({x.dtype}) and {w_name} ({w_kn.dtype}) must have the same dtype")
+    if bias is not None:
+        if bias.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{bias_name} must be {x.dtype} or torch.float32 (added in fp32), got {bias.dtype}")
+        if bias.dim() != 1 or bias.shape[0] != n:
+            bias = bias.reshape(-1).expand(n)
+        if bias.stride(0) != 1 and n > 1:
+            bias = bias.contiguous()
+
+    lead = x.shape[:-1]
+    x2 = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)  # [M, K]; reshape(-1, k) is ambiguous for K == 0
+    w2, dw_transposed = _mat2_layout(w_kn)
+    save_preact = (
+        act != 0
+        and torch.is_grad_enabled()
+        and (x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad))
+    )
+    y, _ = _AddmmFunction.apply(bias, x2, w2, act, save_preact, dw_transposed, [*lead, n])
+    return y
+
+
+# ---- public API -------------------------------------------------------------------------------------------
+
+
+def addmm(
+    bias: torch.Tensor | None,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(bias + mat1 @ mat2)`` with the bias and the activation applied to the fp32 accumulator, rounded once.
+
+    Args:
+        bias: ``[N]`` (or ``[]``, ``[1]``, ``[1, N]``), the input dtype or float32; None for no bias.
+        mat1: ``[..., K]`` float32/float16/bfloat16 (torch.addmm's ``[M, K]`` included).
+        mat2: ``[K, N]``, same dtype as ``mat1``; any orientation (e.g. GPT-2's Conv1D weight ``[in, out]``).
+        activation: None, ``"gelu_tanh"`` (tanh approximation) or ``"gelu"`` (exact erf).
+
+    Returns:
+        ``[..., N]`` in ``mat1``'s dtype.
+    """
+    if not isinstance(mat2, torch.Tensor) or mat2.dim() != 2:
+        raise ValueError(f"mat2 must be a 2-D tensor [K, N], got {_describe(mat2)}")
+    return _addmm_impl(bias, mat1, mat2, activation, ("bias", "mat1", "mat2"), f"[{mat2.shape[0]}, {mat2.shape[1]}]")
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(input @ weight.T + bias)`` (``F.linear`` plus an optional GeLU), fused like :func:`addmm`.
+
+    Args:
+        input: ``[..., in]`` float32/float16/bfloat16.
+        weight: ``[out, in]`` (nn.Linear's layout; used in place through ``.t()``), same dtype as ``input``.
+        bias: ``[out]`` or None; the input dtype or float32.
+        activation: None, ``"gelu_tanh"`` or ``"gelu"``.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [out, in], got {_describe(weight)}")
+    return _addmm_impl(
+        bias, input, weight.t(), activation, ("bias", "input", "weight"), f"[{weight.shape[0]}, {weight.shape[1]}]"
+    )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dim()}-D tensor of shape {list(t.shape)}"
+    return type(t).__name__
+
+
+# ---- references -------------------------------------------------------------------------------------------
+
+
+def addmm_reference(
+    bias: torch.Tensor | None,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    *,
+    activation: str | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain-PyTorch definition: everything in ``compute_dtype`` (fp32; fp64 for error studies), rounded once."""
+    _activation_code(activation)
+    z = mat1.to(compute_dtype) @ mat2.to(compute_dtype)
+    if bias is not None:
+        z = z + bias.to(compute_dtype)
+    if activation == "gelu_tanh":
+        z = F.gelu(z, approximate="tanh")
+    elif activation == "gelu":
+        z = F.gelu(z)
+    return z.to(out_dtype if out_dtype is not None else mat1.dtype)
+
+
+def linear_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`addmm_reference` with an ``[out, in]`` weight."""
+    return addmm_reference(
+        bias, input, weight.t(), activation=activation, compute_dtype=compute_dtype, out_dtype=out_dtype
+    )
