@@ -2,7 +2,7 @@
 """One sweep for every fused-mlp op against every anchor: ours vs eager PyTorch (the transformers modules) vs
 ``torch.nn.RMSNorm`` vs ``torch.compile`` vs Liger-Kernel (vs quack where importable), fwd / bwd / fwd+bwd.
 
-    python benchmarks/sweep.py                         # full sweep on the GPU (budgeted to ~4.5 minutes)
+    python benchmarks/sweep.py                         # full sweep on the GPU (budgeted: <= 4.5 minutes)
     python benchmarks/sweep.py --quick                 # the target shapes only (~1.5 minutes on an H200)
     python benchmarks/sweep.py --ops rms_norm,add_rms_norm --providers ours,liger --modes fwd
     python benchmarks/sweep.py --device cpu            # CPU mode (CPU variant, CPU-sized shapes)
@@ -205,6 +205,7 @@ class Provider:
     make: Callable[[Ctx, Case], Bound]
     available: Callable[[Ctx], str | None] = lambda ctx: None   # reason it cannot run here
     compiled: bool = False
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")      # what it can do at all
 
 
 @dataclass
@@ -270,6 +271,8 @@ def _mark_tokens_dynamic(case: Case, *tensors: torch.Tensor) -> None:
 
 def _compiled(ctx: Ctx, op: str, case: Case, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile(fn)`` under the op's compile budget (a new static size or token count 1 needs a compile)."""
+    if case.tokens == 1 and not ctx.args.compile_tokens_1:
+        raise Skip("token count 1 needs its own graph (size-1 specialisation); --compile-tokens-1 to measure it")
     key = case.static_key + (case.tokens == 1,)
     seen = ctx.compiled_keys.setdefault(op, set())
     if key not in seen and ctx.compile_spent.get(op, 0.0) > ctx.compile_budget_s:
@@ -422,7 +425,7 @@ RMS_OP = OpSpec(
         Provider("quack", "anchor", _rms_quack, available=_quack_reason),
     ],
     needs=lambda fm: _has(fm, "rms_norm") or _has(fm.layers, "RMSNorm"),
-    weight=0.30,
+    weight=0.28,
 )
 
 GEMMA_GPU = ({"M": 64, "N": 2304}, {"M": 4096, "N": 2048}, {"M": 16384, "N": 2048}, {"M": 16384, "N": 2304},
@@ -441,7 +444,7 @@ GEMMA_OP = OpSpec(
         Provider("liger", "anchor", _rms_liger, available=_liger_reason),
     ],
     needs=lambda fm: _has(fm, "rms_norm") or _has(fm.layers, "GemmaRMSNorm"),
-    weight=0.05,
+    weight=0.06,
 )
 
 
@@ -508,7 +511,7 @@ ADD_OP = OpSpec(
         Provider("liger", "anchor", _add_liger, available=_liger_reason),
     ],
     needs=lambda fm: _has(fm, "rms_norm"),
-    weight=0.12, fwd_no_grad=True,
+    weight=0.15, fwd_no_grad=True,
 )
 
 
@@ -612,7 +615,7 @@ def _act_op(kind: str) -> OpSpec:
             Provider("liger", "anchor", _act_liger(kind), available=_liger_reason),
         ],
         needs=lambda fm: _has(fm, kind),
-        weight=0.07 if kind == "geglu" else 0.03,
+        weight=0.10 if kind == "geglu" else 0.04,
     )
 
 
@@ -694,7 +697,7 @@ MLP_OP = OpSpec(
         Provider("liger", "anchor", _mlp_liger, available=_liger_reason),
     ],
     needs=lambda fm: _has(fm.layers, "GeGLUMLP"),
-    weight=0.25,
+    weight=0.20,
 )
 
 
@@ -779,12 +782,12 @@ def _linear_ours(ctx: Ctx, case: Case) -> Bound:
 ADDMM_OP = OpSpec(
     name="addmm", title="addmm + bias + tanh-GeLU (weight [K, N])", metric="flops", modes=("fwd", "fwd+bwd"),
     shapes=gemm_shapes,
-    quick_shapes=lambda ctx: gemm_shapes(ctx)[:1] + [s for s in gemm_shapes(ctx) if s["M"] == 16][:1],
+    quick_shapes=lambda ctx: [s for s in gemm_shapes(ctx) if (s["K"], s["N"]) == (4096, 4096) and s["M"] != 8192],
     make_case=lambda ctx, shape: make_gemm_case(ctx, shape, linear=False),
     providers=[
         Provider("ours", "ours", _addmm_ours),
         Provider("eager", "anchor", _addmm_eager),
-        Provider("torch._addmm_activation", "anchor", _addmm_activation),
+        Provider("torch._addmm_activation", "anchor", _addmm_activation, modes=("fwd",)),  # no autograd formula
         Provider("torch.compile", "anchor", _addmm_compile, compiled=True),
         Provider("mm only", "reference", _mm_only(linear=False)),
     ],
@@ -803,7 +806,7 @@ LINEAR_OP = OpSpec(
         Provider("mm only", "reference", _mm_only(linear=True)),
     ],
     needs=lambda fm: _has(fm, "linear"),
-    weight=0.08,
+    weight=0.05,
 )
 
 OPS: dict[str, OpSpec] = {op.name: op for op in (RMS_OP, ADD_OP, GEMMA_OP, _act_op("geglu"), _act_op("swiglu"),
@@ -848,6 +851,8 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
         return [dict(base, mode=m, status=f"skipped: {e}") for m in op.modes]
     leaves = case.leaves if bound.leaves is None else bound.leaves
     grad_out = case.grad_out if bound.grad_out is None else bound.grad_out
+    unsupported = [m for m in op.modes if m not in prov.modes]
+    op = OpSpec(**{**op.__dict__, "modes": tuple(m for m in op.modes if m in prov.modes)})
 
     def fwd() -> Any:
         if op.fwd_no_grad:
@@ -860,6 +865,9 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
 
     rows: list[dict[str, Any]] = []
     timings: dict[str, Timing] = {}
+    # First calls (compilation / JIT / cuBLAS heuristics happen here), outside the timing; the forward output is
+    # checked against the reference. A failing backward only fails the fwd+bwd row.
+    failed: dict[str, str] = {}
     compile_s = 0.0
     err: float | None = None
     try:
@@ -869,21 +877,27 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
         compile_s += time.perf_counter() - t0
         err = max_abs_err(_first(out), ref)
         del out
-        if "fwd+bwd" in op.modes:
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        return [dict(base, mode=m, status=f"error: {describe_exception(e)}") for m in op.modes]
+    if "fwd+bwd" in op.modes:
+        try:
             t0 = time.perf_counter()
             fwd_bwd()
             synchronize(ctx.device)
             compile_s += time.perf_counter() - t0
-            for leaf in leaves:
-                leaf.grad = None
-    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-        return [dict(base, mode=m, status=f"error: {describe_exception(e)}") for m in op.modes]
+        except Exception as e:  # noqa: BLE001
+            failed["fwd+bwd"] = f"error: {describe_exception(e)}"
+        for leaf in leaves:
+            leaf.grad = None
     if prov.compiled:
         ctx.compile_spent[op.name] = ctx.compile_spent.get(op.name, 0.0) + compile_s
 
     for mode in op.modes:
-        fn = fwd if mode == "fwd" else fwd_bwd
         row = dict(base, mode=mode, max_err=err, compile_s=compile_s if prov.compiled else None)
+        if mode in failed:
+            rows.append(dict(row, status=failed[mode]))
+            continue
+        fn = fwd if mode == "fwd" else fwd_bwd
         try:
             t = ctx.timer.time(fn, grad_to_none=leaves if mode == "fwd+bwd" else None,
                                working_set_bytes=case.working_set)
@@ -894,6 +908,7 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
         except Exception as e:  # noqa: BLE001
             row["status"] = f"error: {describe_exception(e)}"
         rows.append(row)
+    rows += [dict(base, mode=m, status=f"skipped: {prov.name} has no autograd formula") for m in unsupported]
     if "fwd" in timings and "fwd+bwd" in timings:
         t = Timing.minus(timings["fwd+bwd"], timings["fwd"])
         if t is None:
@@ -1077,7 +1092,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
     p.add_argument("--quick", action="store_true", help="target shapes only")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock budget for the measurements (default: GPU 255 s full / 100 s quick; CPU 1800 s)")
+                   help="wall-clock budget for the measurements (default: GPU 240 s full / 100 s quick; CPU 1800 s)")
     p.add_argument("--compile-share", type=float, default=0.4, help="share of each op's budget torch.compile may "
                    "spend compiling (default 0.4)")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warmup (default GPU 10, CPU 30)")
@@ -1086,6 +1101,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="skip shapes with more elements per tensor (default GPU 2^29, CPU 2^24)")
     p.add_argument("--max-shapes", type=int, default=0, help="at most this many shapes per op (0: all)")
     p.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and GEMM rate")
+    p.add_argument("--compile-tokens-1", action="store_true", help="also compile for token count 1 (one more graph "
+                   "per static size; off by default to keep compile time bounded)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (torch.set_num_threads; 0: torch's default)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (shapes x providers x modes) and a rough "
+                   "time estimate for an H200, then exit")
     args = p.parse_args(argv)
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     bad = [m for m in args.modes if m not in ("fwd", "fwd+bwd")]
@@ -1097,6 +1117,59 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Rough H200 model for --dry-run: sustained fraction of the copy bandwidth / GEMM rate per provider, seconds per
+# torch.compile graph and per Liger JIT specialisation. Only used to print an estimate, never written to a CSV.
+_EST_COPY_GBPS, _EST_GEMM_TFLOPS = 4200.0, 700.0
+_EST_EFFICIENCY = {"eager": 0.1, "torch.nn.RMSNorm": 0.6}
+_EST_COMPILE_S, _EST_LIGER_JIT_S, _EST_STARTUP_S = 3.5, 1.5, 20.0
+
+
+def dry_run(args: argparse.Namespace, device: str, warmup: float, rep: float) -> int:
+    """Prints the plan and a rough wall-time estimate (an H200 model when device is cuda)."""
+    ctx = Ctx(device=device, dtype=DTYPES["bf16"], dtype_name="bf16", fm=types.ModuleType("plan"),
+              timer=Timer(device), ceilings=Ceilings(_EST_COPY_GBPS, {}), writer=None, args=args)  # type: ignore
+    total_s, total_meas = _EST_STARTUP_S, 0
+    wanted = set(args.providers.split(",")) if args.providers else None
+    for name in args.ops.split(","):
+        op = OPS[name]
+        shapes = op.quick_shapes(ctx) if args.quick else op.shapes(ctx)
+        if args.max_shapes:
+            shapes = shapes[: args.max_shapes]
+        modes = [m for m in op.modes if m in args.modes]
+        provs = [p for p in op.providers if (wanted is None or p.name in wanted) and p.name != "quack"
+                 and (device == "cuda" or p.name != "liger")]
+        op_s, keys = 0.0, set()
+        for shape in shapes:
+            bw = op.metric == "bandwidth"
+            if bw:
+                elems = shape.get("M", shape.get("T", 1)) * shape.get("N", shape.get("I", 1))
+                amount = {"fwd": 3 * elems * 2, "fwd+bwd": 8 * elems * 2}
+            else:
+                if "H" in shape:
+                    f = 6 * shape["T"] * shape["H"] * shape["I"]
+                else:
+                    f = 2 * shape["M"] * shape["K"] * shape["N"]
+                amount = {"fwd": f, "fwd+bwd": 3 * f}
+            for p in provs:
+                for m in modes:
+                    eff = _EST_EFFICIENCY.get(p.name, 0.8 if bw else 0.85)
+                    t = amount[m] / (eff * (_EST_COPY_GBPS * 1e6 if bw else _EST_GEMM_TFLOPS * 1e9)) + 0.01
+                    op_s += (max(warmup, t) + max(rep, t) + 5 * (t + 0.08) + 10) / 1e3
+                    total_meas += 1
+                if p.compiled and shape.get("M", shape.get("T")) != 1:
+                    keys.add(() if name.endswith("_act") else tuple(v for k, v in shape.items() if k not in ("M", "T")))
+            op_s += 0.03
+        n_liger = len({tuple(v for k, v in s.items() if k not in ("M", "T")) for s in shapes}) \
+            if any(p.name == "liger" for p in provs) else 0
+        op_s += len(keys) * _EST_COMPILE_S + n_liger * _EST_LIGER_JIT_S
+        total_s += op_s
+        print(f"{name:15s} {len(shapes):3d} shapes x {len(provs)} providers x {len(modes)} modes; "
+              f"{len(keys)} compile graphs; ~{op_s:5.0f} s")
+    print(f"total: {total_meas} measurements, ~{total_s:.0f} s estimated without the budget "
+          f"(the run stops measuring at --budget-s={args.budget_s:.0f} s plus startup)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.monotonic()
@@ -1106,11 +1179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup_ms if args.warmup_ms is not None else (10.0 if on_gpu else 30.0)
     rep = args.rep_ms if args.rep_ms is not None else (30.0 if on_gpu else 150.0)
     if args.budget_s is None:
-        args.budget_s = (100.0 if args.quick else 255.0) if on_gpu else 1800.0
+        args.budget_s = (100.0 if args.quick else 240.0) if on_gpu else 1800.0
     dtypes = [d.strip() for d in (args.dtypes or ("bf16" if on_gpu else "fp32,bf16")).split(",") if d.strip()]
     if any(d not in DTYPES for d in dtypes):
         raise SystemExit(f"--dtypes takes {', '.join(DTYPES)}; got {dtypes}")
     backend = None if args.backend == "auto" and on_gpu else ("cpu" if args.backend == "auto" else args.backend)
+    if args.dry_run:
+        return dry_run(args, device, warmup, rep)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.automatic_dynamic_shapes = False  # dims are static unless marked (see the docstring)
