@@ -31,7 +31,7 @@ STYLE = {  # provider -> (color, linestyle, marker)
     "quack (recorded, not run)": ("#9467bd", ":", "P"),
     "torch._addmm_activation": ("#ff7f0e", "-", "X"),
     "mm only": ("#17becf", "--", "x"),
-    "ours + torch.compile": ("#e377c2", "-", "*"),
+    "ours+torch.compile": ("#e377c2", "-", "*"),
 }
 
 

@@ -250,7 +250,7 @@ def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
 # ---------------------------------------------------------------------------------------------------------------
 
 PROVIDER_ORDER = ["ours", "eager", "torch.nn.RMSNorm", "torch.compile", "liger", "quack", "quack (recorded, not run)",
-                  "torch._addmm_activation", "mm only", "ours + torch.compile"]
+                  "torch._addmm_activation", "mm only", "ours+torch.compile"]
 
 
 def _provider_key(p: str) -> tuple[int, str]:
@@ -312,7 +312,7 @@ def op_tables(rows: list[dict[str, str]], *, max_shapes: int | None) -> list[str
         out.append(f"**{op}** · {mode} · {dtype} · {dev}" + (f" (first {len(shapes)} of {total} shapes; all in "
                                                               f"the full report)" if len(shapes) < total else ""))
         out.append("")
-        head = ["shape"] + providers + ["ours vs best anchor", "ours err (2x rule)"] + (["peak ours"] if has_peak
+        head = ["shape"] + providers + ["ours vs best anchor", "ours max err (✓: 2x rule)"] + (["peak ours"] if has_peak
                                                                                         else [])
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
