@@ -73,7 +73,7 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
     if ceil:
         c = max(set(ceil), key=ceil.count)
         what = "copy bandwidth" if metric == "gbps" else f"{dtype} GEMM rate"
-        ax.axhline(c, color="black", linestyle="--", linewidth=1.2, label=f"measured {what} ({c:.0f} {unit})")
+        ax.axhline(c, color="black", linestyle="--", linewidth=1.2, label=f"measured {what} ({c:.4g} {unit})")
     ax.set_yscale("log")
     ax.set_ylabel(f"{unit} (analytic {'bytes' if metric == 'gbps' else 'FLOPs'} / median time)")
     dev = grp[0].get("device_name", "")
@@ -81,8 +81,9 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
 
-    # Speedup bars: time(anchor) / time(ours) per shape, measured anchors only.
-    anchors = [p for p in providers if p != "ours" and any(r["provider"] == p and r.get("role") == "anchor"
+    # Speedup bars: time(other) / time(ours) per shape, for every anchor and reference (e.g. "mm only").
+    anchors = [p for p in providers if p != "ours" and any(r["provider"] == p and r.get("role") in ("anchor",
+                                                                                                "reference")
                                                            for r in grp)]
     ours = {r["shape"]: fnum(r["time_p50_ms"]) for r in grp if r["provider"] == "ours"}
     width = 0.8 / max(1, len(anchors))
@@ -91,11 +92,16 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
                if r["provider"] == p and r["shape"] in xs and ours.get(r["shape"]) and fnum(r.get("time_p50_ms"))]
         if pts:
             color, _, _ = _style(p)
-            axb.bar([x - 0.4 + width * (k + 0.5) for x, _ in pts], [y for _, y in pts], width=width, color=color,
-                    label=f"vs {p}", hatch="//" if "recorded" in p else None, alpha=0.85)
+            # Bars grow from 1x: up where ours is faster, down where it is slower.
+            axb.bar([x - 0.4 + width * (k + 0.5) for x, _ in pts], [y - 1.0 for _, y in pts], bottom=1.0,
+                    width=width, color=color, label=f"vs {p}", hatch="//" if "recorded" in p else None, alpha=0.85)
     axb.axhline(1.0, color="black", linewidth=1)
-    axb.set_ylabel("ours speedup (x)")
+    axb.set_ylabel("ours speedup (x): other time / ours")
     axb.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    axb.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    axb.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
     axb.grid(True, axis="y", which="both", alpha=0.3)
     if anchors:
         axb.legend(fontsize=8, ncol=min(4, len(anchors)))
