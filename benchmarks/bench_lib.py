@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -355,8 +356,9 @@ class ResultWriter:
     can be rerun after a merge without losing the others); rows of the pairs this run measures are replaced.
     """
 
-    def __init__(self, path: Path, env: dict[str, str], *, merge: bool = True) -> None:
+    def __init__(self, path: Path, env: dict[str, str], *, merge: bool = True, mirror: Path | None = None) -> None:
         self.path = path
+        self.mirror = mirror  # a second copy (e.g. $OUT/<device>/sweep.csv on the GPU machine)
         self.env = env
         self.rows: list[dict[str, str]] = []
         self.kept: list[dict[str, str]] = []
@@ -386,6 +388,15 @@ class ResultWriter:
             for r in keep + self.rows:
                 w.writerow({c: r.get(c, "") for c in COLUMNS})
         os.replace(tmp, self.path)
+        if self.mirror is not None and self.mirror.resolve() != self.path.resolve():
+            self.mirror.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.path, self.mirror)
+
+
+def out_mirror(slug: str, name: str) -> Path | None:
+    """``$OUT/<slug>/<name>`` when ``$OUT`` is set (the GPU machine returns what is written there)."""
+    out = os.environ.get("OUT")
+    return Path(out) / slug / name if out else None
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

@@ -45,6 +45,7 @@ from bench_lib import (  # noqa: E402
     device_slug,
     load_kernel,
     log,
+    out_mirror,
     synchronize,
 )
 
@@ -295,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [n for n in args.kernel_layers.split(",") if n not in available]
     env = collect_env(device, fm)
     out = Path(args.results_root) / device_slug(env) / args.csv_name
-    writer = ResultWriter(out, env, merge=not args.fresh)
+    writer = ResultWriter(out, env, merge=not args.fresh,
+                          mirror=out_mirror(device_slug(env), args.csv_name))
     log(f"fused-mlp e2e: {env['device_name']} ({device}), torch {env['torch']}, kernel {env['kernel_build']}, "
         f"layers available {sorted(available)}" + (f"; not in the kernel yet: {missing}" if missing else ""))
     warmup = args.warmup_ms if args.warmup_ms is not None else (25.0 if on_gpu else 20.0)

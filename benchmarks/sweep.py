@@ -8,7 +8,8 @@
     python benchmarks/sweep.py --device cpu            # CPU mode (CPU variant, CPU-sized shapes)
 
 Writes ``<results-root>/<device-slug>/sweep.csv`` (long format, see ``bench_lib.COLUMNS``), rewritten after every
-shape; rows of ops not measured in this run are kept, so one op can be rerun alone. Then ``plot.py`` draws it and
+shape; rows of ops not measured in this run are kept, so one op can be rerun alone. When ``$OUT`` is set (the GPU
+machine), every checkpoint is also copied to ``$OUT/<device-slug>/sweep.csv``. Then ``plot.py`` draws it and
 ``report.py`` turns it into README tables with every target of ``targets.md`` marked met / not met.
 
 Definitions (as the anchors in benchmarks/anchors/ were measured, see anchor_bench.py there):
@@ -60,6 +61,7 @@ from bench_lib import (  # noqa: E402
     device_slug,
     load_kernel,
     log,
+    out_mirror,
     max_abs_err,
     measure_ceilings,
     peak_memory,
@@ -1202,10 +1204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = collect_env(device, fm)
     slug = device_slug(env)
     out_path = Path(args.results_root) / slug / args.csv_name
-    writer = ResultWriter(out_path, env, merge=not args.fresh)
+    writer = ResultWriter(out_path, env, merge=not args.fresh,
+                          mirror=out_mirror(slug, args.csv_name))
     log(f"fused-mlp sweep: {env['device_name']} ({device}), torch {env['torch']}, triton {env['triton'] or '-'}, "
         f"cuda {env['cuda'] or '-'}, liger {env['liger'] or '-'}, kernel {env['kernel_build']}, git {env['git_rev']}")
-    log(f"writing {out_path}; dtypes {dtypes}; budget {args.budget_s:.0f} s; "
+    log(f"writing {out_path}" + (f" (and a copy in {writer.mirror})" if writer.mirror else "") +
+        f"; dtypes {dtypes}; budget {args.budget_s:.0f} s; "
         f"timer warmup/rep {warmup:.0f}/{rep:.0f} ms")
 
     timer = Timer(device, warmup_ms=warmup, rep_ms=rep)
