@@ -57,17 +57,20 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
             shapes.append(r["shape"])
     if not shapes:
         return None
+    # Natural order of the shape fields as written (M, N / H, I, T / M, K, N / T, I), not the sweep's priority order.
+    shapes.sort(key=lambda s: tuple(int(kv.split("=")[1]) for kv in s.split(",") if kv.split("=")[1].isdigit()))
     xs = {s: i for i, s in enumerate(shapes)}
     providers = sorted({r["provider"] for r in grp}, key=lambda p: (p != "ours", p))
     fig, (ax, axb) = plt.subplots(2, 1, figsize=(max(8.0, 0.45 * len(shapes) + 3), 8.5),
                                   gridspec_kw={"height_ratios": [3, 2]}, sharex=True)
     for p in providers:
-        pts = sorted((xs[r["shape"]], fnum(r[metric])) for r in grp
-                     if r["provider"] == p and r["shape"] in xs and fnum(r.get(metric)))
-        if not pts:
+        vals = {xs[r["shape"]]: fnum(r[metric]) for r in grp
+                if r["provider"] == p and r["shape"] in xs and fnum(r.get(metric))}
+        if not vals:
             continue
         color, ls, marker = _style(p)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], ls, color=color, marker=marker, label=p,
+        ys = [vals.get(i, float("nan")) for i in range(len(shapes))]  # gaps break the line
+        ax.plot(range(len(shapes)), ys, ls, color=color, marker=marker, label=p,
                 linewidth=2.5 if p == "ours" else 1.3, markersize=5)
     ceil = [fnum(r.get("ceiling_value")) for r in grp if fnum(r.get("ceiling_value"))]
     if ceil:
@@ -77,6 +80,8 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
     ax.set_yscale("log")
     ax.set_ylabel(f"{unit} (analytic {'bytes' if metric == 'gbps' else 'FLOPs'} / median time)")
     dev = grp[0].get("device_name", "")
+    if grp[0].get("device") == "cpu":
+        dev += f", {grp[0].get('threads')} threads, load avg {grp[0].get('load_avg') or '?'} at start"
     ax.set_title(f"{op} · {mode} · {dtype} · {dev}\nsmall shapes include launch and Python overhead")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
