@@ -139,8 +139,9 @@ def log(msg: str) -> None:
 
 
 def load_kernel(spec: str | None, backend: str | None = None) -> ModuleType:
-    """``spec``: a checkout path (``kernels.get_local_kernel``) or a Hub repo id (``kernels.get_kernel(..., version=1)``,
-    which honours ``LOCAL_KERNELS``). Default: this checkout. ``backend="cpu"`` forces the CPU variant."""
+    """``spec``: a checkout path (``kernels.get_local_kernel``) or a Hub repo id
+    (``kernels.get_kernel(..., version=1)``, which honours ``LOCAL_KERNELS``). Default: this checkout.
+    ``backend="cpu"`` forces the CPU variant."""
     import kernels
 
     spec = spec or str(ROOT)
@@ -287,7 +288,7 @@ def measure_ceilings(timer: Timer, device: str, dtypes: Iterable[str]) -> tuple[
         gemm_n = 1024
     a.fill_(1.0)
     b = torch.empty_like(a)
-    t = timer.time(lambda: b.copy_(a), working_set_bytes=4 * n_copy)
+    t = timer.time(lambda a=a, b=b: b.copy_(a), working_set_bytes=4 * n_copy)
     copy_bytes = 2 * n_copy * 2
     copy_gbps = copy_bytes / t.p50 / 1e6
     rows.append(dict(op="ceiling", provider="device copy", role="ceiling", mode="copy", dtype="bf16",
@@ -299,7 +300,7 @@ def measure_ceilings(timer: Timer, device: str, dtypes: Iterable[str]) -> tuple[
         dt = DTYPES[name]
         x = torch.randn(gemm_n, gemm_n, device=device, dtype=dt)
         y = torch.randn(gemm_n, gemm_n, device=device, dtype=dt)
-        t = timer.time(lambda: x @ y, working_set_bytes=3 * x.numel() * x.element_size())
+        t = timer.time(lambda x=x, y=y: x @ y, working_set_bytes=3 * x.numel() * x.element_size())
         flops = 2 * gemm_n**3
         gemm[name] = flops / t.p50 / 1e9
         rows.append(dict(op="ceiling", provider="gemm", role="ceiling", mode="fwd", dtype=name,

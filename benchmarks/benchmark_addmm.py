@@ -14,7 +14,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from kernels.benchmark import Benchmark
 
 DTYPE = torch.bfloat16

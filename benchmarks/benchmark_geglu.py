@@ -16,9 +16,8 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kernels.benchmark import Benchmark
+from torch import nn
 
 DTYPE = torch.bfloat16
 

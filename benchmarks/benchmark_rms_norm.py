@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from kernels.benchmark import Benchmark
 
 EPS = 1e-6

@@ -18,7 +18,7 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,15 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 TM = "targets.md"
 TARGETS: list[dict[str, Any]] = [
-    dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd", where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
+    dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd",
+         where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
          check="all_ge", column="gbps", threshold=3900, unit="GB/s",
          text="RMSNorm fwd, M >= 4096, N in 2048..65536: >= 3.9 TB/s on every such shape", source=TM),
     dict(id="rms-fwd-anchor", device="cuda", op="rms_norm", mode="fwd", where={"M": (">=", 4096)},
          check="vs_best_ge", threshold=1.0, recorded=True, unit="x",
          text="RMSNorm fwd never slower than the best anchor (quack's recorded numbers included)", source="issue 3"),
-    dict(id="rms-bwd", device="cuda", op="rms_norm", mode="bwd", where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
+    dict(id="rms-bwd", device="cuda", op="rms_norm", mode="bwd",
+         where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
          check="all_ge", column="gbps", threshold=3400, unit="GB/s",
          text="RMSNorm bwd (dx + dW): >= 3.4 TB/s (2x every anchor)", source=TM),
     dict(id="rms-small-fwd", device="cuda", op="rms_norm", mode="fwd", where={"M": ("<=", 64), "N": ("==", 4096)},

@@ -53,17 +53,17 @@ from bench_lib import (  # noqa: E402
     ROOT,
     Budget,
     Ceilings,
+    ResultWriter,
     Timer,
     Timing,
-    ResultWriter,
     collect_env,
     describe_exception,
     device_slug,
     load_kernel,
     log,
-    out_mirror,
     max_abs_err,
     measure_ceilings,
+    out_mirror,
     peak_memory,
     shape_str,
     synchronize,
@@ -1003,8 +1003,8 @@ def run_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
     shapes = op.quick_shapes(ctx) if ctx.args.quick else op.shapes(ctx)
     if ctx.args.max_shapes:
         shapes = shapes[: ctx.args.max_shapes]
-    log(f"[{op.name} {ctx.dtype_name}] {op.title}: {len(shapes)} shapes x {[p.name for p in providers]} x {list(modes)}; "
-        f"{max(deadline - time.monotonic(), 0):.0f} s budget")
+    log(f"[{op.name} {ctx.dtype_name}] {op.title}: {len(shapes)} shapes x {[p.name for p in providers]} x "
+        f"{list(modes)}; {max(deadline - time.monotonic(), 0):.0f} s budget")
     if any(p.name == "quack" for p in op.providers) and (wanted is None or "quack" in wanted) and \
             _quack_reason(ctx) is not None:
         for row in _recorded_quack_rows(ctx, op, shapes):
