@@ -129,19 +129,22 @@ def plot_e2e(rows: list[dict[str, str]], op: str, out: Path) -> Path | None:
     if not grp:
         return None
     modes = [m for m in ("train_step", "prefill") if any(r["mode"] == m for r in grp)]
-    fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 4.5))
+    mem = [r for r in grp if r["mode"] == "train_step" and fnum(r.get("peak_mem_bytes"))]
+    n_panels = len(modes) + (1 if mem else 0)
+    fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 4.5), squeeze=False)
+    axes = list(axes[0])
     for ax, m in zip(axes, modes):
         sub = [r for r in grp if r["mode"] == m and r.get("source") == "measured"]
         ax.bar([r["provider"] for r in sub], [fnum(r["time_p50_ms"]) for r in sub],
                color=[_style(r["provider"])[0] for r in sub])
         ax.set_title(f"{m} (ms, lower is better)")
         ax.tick_params(axis="x", rotation=30)
-    ax = axes[-1]
-    sub = [r for r in grp if r["mode"] == "train_step" and fnum(r.get("peak_mem_bytes"))]
-    ax.bar([r["provider"] for r in sub], [fnum(r["peak_mem_bytes"]) / 1e9 for r in sub],
-           color=[_style(r["provider"])[0] for r in sub])
-    ax.set_title("train_step peak memory (GB)")
-    ax.tick_params(axis="x", rotation=30)
+    if mem:
+        ax = axes[-1]
+        ax.bar([r["provider"] for r in mem], [fnum(r["peak_mem_bytes"]) / 1e9 for r in mem],
+               color=[_style(r["provider"])[0] for r in mem])
+        ax.set_title("train_step peak memory (GB)")
+        ax.tick_params(axis="x", rotation=30)
     first = grp[0]
     fig.suptitle(f"{op}: {first.get('shape')} · {first.get('dtype')} · {first.get('device_name')}")
     fig.tight_layout()
