@@ -37,6 +37,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 #   vs_best_ge        for every matching shape, best anchor time / time(ours) >= threshold (in-run anchors, plus
 #                     recorded ones when `recorded` is set)
 #   err_le_provider   ours' max_err <= `other`'s max_err on every matching shape
+# `threads` (CPU targets): only rows measured with that many threads count.
 # ---------------------------------------------------------------------------------------------------------------
 
 TM = "targets.md"
@@ -129,13 +130,13 @@ TARGETS: list[dict[str, Any]] = [
     dict(id="e2e-peak-eager", device="cuda", op="e2e_gemma2b", mode="train_step", where={},
          check="vs_provider_ge", other="eager", column="peak_mem_bytes", threshold=1.0, unit="x",
          text="training step peak memory <= eager's (ratio eager / ours)", source="issue 7"),
-    dict(id="cpu-rms-fwd", device="cpu", op="rms_norm", mode="fwd", where={"M": (">=", 64)},
+    dict(id="cpu-rms-fwd", device="cpu", threads=2, op="rms_norm", mode="fwd", where={"M": (">=", 64)},
          check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
          text="CPU (2 cores): rms_norm fwd >= 2x eager PyTorch", source=TM),
-    dict(id="cpu-rms-bwd", device="cpu", op="rms_norm", mode="bwd", where={"M": (">=", 64)},
+    dict(id="cpu-rms-bwd", device="cpu", threads=2, op="rms_norm", mode="bwd", where={"M": (">=", 64)},
          check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
          text="CPU (2 cores): rms_norm bwd >= 2x eager PyTorch", source="issue 3"),
-    dict(id="cpu-geglu", device="cpu", op="geglu_act", mode="fwd", where={},
+    dict(id="cpu-geglu", device="cpu", threads=2, op="geglu_act", mode="fwd", where={},
          check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
          text="CPU (2 cores): geglu activation >= 2x eager PyTorch", source=TM),
 ]
@@ -194,7 +195,8 @@ def _ok(r: dict[str, str]) -> bool:
 
 def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
     dev_rows = [r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
-                and r.get("mode") == target["mode"] and _matches(r, target["where"])]
+                and r.get("mode") == target["mode"] and _matches(r, target["where"])
+                and ("threads" not in target or r.get("threads") == str(target["threads"]))]
     prov = target.get("provider", "ours")
     ours = [r for r in dev_rows if r.get("provider") == prov and r.get("source") == "measured" and _ok(r)]
     if not ours:
