@@ -1,0 +1,463 @@
+#!/usr/bin/env python3
+"""README-ready markdown from the benchmark CSVs: every target of ``targets.md`` marked met / not met with the measured
+value, and per op / mode tables of ours vs every anchor. No number here is typed by hand: thresholds are the targets
+(transcribed below, with their source), every measured value comes from the CSV.
+
+    python benchmarks/report.py benchmarks/results/nvidia-h200/*.csv benchmarks/results/cpu-*/sweep.csv
+    python benchmarks/report.py <csvs...> --out benchmarks/results/RESULTS.md --write-readme README.md
+
+``--write-readme`` replaces the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` (appending the
+markers at the end when the README has none). The README gets the targets and compact tables (the anchor / target
+shapes); ``--out`` gets the full tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib import fnum, read_rows  # noqa: E402
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+# ---------------------------------------------------------------------------------------------------------------
+# The targets, as data. Source: shared/design/targets.md (the table) and the issues' target lists (marked).
+# `where`: column -> (op, value[, value2]) with op in >=, <=, ==, between, in; applied to the CSV row's columns.
+# `check`:
+#   all_ge / all_le   every matching row of `provider` (default ours) has `column` >= / <= `threshold`
+#   vs_provider_ge    for every matching shape, time(`other`) / time(ours) >= threshold   (a speedup)
+#   vs_best_ge        for every matching shape, best anchor time / time(ours) >= threshold (in-run anchors, plus
+#                     recorded ones when `recorded` is set)
+#   err_le_provider   ours' max_err <= `other`'s max_err on every matching shape
+# `threads` (CPU targets): only rows measured with that many threads count.
+# ---------------------------------------------------------------------------------------------------------------
+
+TM = "targets.md"
+TARGETS: list[dict[str, Any]] = [
+    dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd",
+         where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
+         check="all_ge", column="gbps", threshold=3900, unit="GB/s",
+         text="RMSNorm fwd, M >= 4096, N in 2048..65536: >= 3.9 TB/s on every such shape", source=TM),
+    dict(id="rms-fwd-anchor", device="cuda", op="rms_norm", mode="fwd", where={"M": (">=", 4096)},
+         check="vs_best_ge", threshold=1.0, recorded=True, unit="x",
+         text="RMSNorm fwd never slower than the best anchor (quack's recorded numbers included)", source="issue 3"),
+    dict(id="rms-bwd", device="cuda", op="rms_norm", mode="bwd",
+         where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
+         check="all_ge", column="gbps", threshold=3400, unit="GB/s",
+         text="RMSNorm bwd (dx + dW): >= 3.4 TB/s (2x every anchor)", source=TM),
+    dict(id="rms-small-fwd", device="cuda", op="rms_norm", mode="fwd", where={"M": ("<=", 64), "N": ("==", 4096)},
+         check="all_le", column="time_p50_ms", threshold=0.006, unit="ms",
+         text="RMSNorm M in 1..64, N = 4096: fwd <= 6 us per call", source=TM),
+    dict(id="rms-small-bwd", device="cuda", op="rms_norm", mode="bwd", where={"M": ("<=", 64), "N": ("==", 4096)},
+         check="all_le", column="time_p50_ms", threshold=0.015, unit="ms",
+         text="RMSNorm M in 1..64, N = 4096: bwd <= 15 us per call", source=TM),
+    dict(id="addnorm-fwd", device="cuda", op="add_rms_norm", mode="fwd", where={"M": (">=", 4096)},
+         check="all_ge", column="gbps", threshold=4100, unit="GB/s",
+         text="fused residual add + RMSNorm fwd: >= 4.1 TB/s", source=TM),
+    dict(id="addnorm-anchor", device="cuda", op="add_rms_norm", mode="fwd", where={"M": (">=", 4096)},
+         check="vs_best_ge", threshold=1.0, unit="x",
+         text="fused residual add + RMSNorm fwd: >= the best anchor on every shape", source=TM),
+    dict(id="geglu-act-fwd", device="cuda", op="geglu_act", mode="fwd", where={"TI": (">=", 32 * 2**20)},
+         check="all_ge", column="pct_of_ceiling", threshold=90, unit="% of copy",
+         text="GeGLU activation fwd, T*I >= 32M: >= 90% of copy bandwidth", source=TM),
+    dict(id="geglu-act-bwd", device="cuda", op="geglu_act", mode="bwd", where={"TI": (">=", 32 * 2**20)},
+         check="all_ge", column="pct_of_ceiling", threshold=90, unit="% of copy",
+         text="GeGLU activation bwd, T*I >= 32M: >= 90% of copy bandwidth", source=TM),
+    dict(id="swiglu-act-fwd", device="cuda", op="swiglu_act", mode="fwd", where={"TI": (">=", 32 * 2**20)},
+         check="all_ge", column="pct_of_ceiling", threshold=90, unit="% of copy",
+         text="SwiGLU activation fwd, T*I >= 32M: >= 90% of copy bandwidth", source="issue 4"),
+    dict(id="swiglu-act-bwd", device="cuda", op="swiglu_act", mode="bwd", where={"TI": (">=", 32 * 2**20)},
+         check="all_ge", column="pct_of_ceiling", threshold=90, unit="% of copy",
+         text="SwiGLU activation bwd, T*I >= 32M: >= 90% of copy bandwidth", source="issue 4"),
+    dict(id="mlp-fwd", device="cuda", op="geglu_mlp", mode="fwd",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="time_p50_ms", threshold=1.22, unit="ms",
+         text="GeGLU MLP fwd, T=4096, H=2048, I=16384: <= 1.22 ms", source=TM),
+    dict(id="mlp-fwdbwd", device="cuda", op="geglu_mlp", mode="fwd+bwd",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="time_p50_ms", threshold=3.75, unit="ms",
+         text="GeGLU MLP fwd+bwd, same shape: <= 3.75 ms", source=TM),
+    dict(id="mlp-peak", device="cuda", op="geglu_mlp", mode="fwd+bwd",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="peak_mem_bytes", threshold=2.0e9, unit="bytes",
+         text="GeGLU MLP fwd+bwd, same shape: peak memory <= 2.0 GB", source=TM),
+    dict(id="mlp-decode", device="cuda", op="geglu_mlp", mode="fwd",
+         where={"T": ("==", 16), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="time_p50_ms", threshold=0.055, unit="ms",
+         text="GeGLU MLP T=16 (decode), H=2048, I=16384: <= 55 us", source=TM),
+    dict(id="mlp-decode-eager", device="cuda", op="geglu_mlp", mode="fwd", where={"T": ("==", 16)},
+         check="vs_provider_ge", other="eager", threshold=1.0, unit="x",
+         text="GeGLU MLP T=16 (decode): never slower than eager, every (H, I)", source="issue 4"),
+    dict(id="addmm-vs-mm", device="cuda", op="addmm", mode="fwd",
+         where={"M": ("==", 4096), "K": ("==", 4096), "N": ("==", 4096)},
+         check="vs_provider_ge", other="mm only", threshold=0.98, unit="x",
+         text="addmm + bias + tanh-GeLU, 4096^3: >= 98% of mm alone", source=TM),
+    dict(id="addmm-err", device="cuda", op="addmm", mode="fwd",
+         where={"M": ("==", 4096), "K": ("==", 4096), "N": ("==", 4096)},
+         check="err_le_provider", other="torch._addmm_activation", unit="max |err| vs fp64",
+         text="addmm + bias + tanh-GeLU, 4096^3: error <= the fp32-epilogue error (torch._addmm_activation)",
+         source=TM),
+    dict(id="linear-fwdbwd", device="cuda", op="linear", mode="fwd+bwd", where={"M": ("==", 8192)},
+         check="vs_provider_ge", other="eager", threshold=1.03, unit="x",
+         text="Linear with bias fwd+bwd at M = 8192: >= 1.03x eager nn.Linear", source="issue 5"),
+    dict(id="e2e-step", device="cuda", op="e2e_gemma2b", mode="train_step", where={"L": ("==", 4), "T": ("==", 4096)},
+         check="all_le", column="time_p50_ms", threshold=19.8, unit="ms",
+         text="4 Gemma-2B layers, 2x2048 tokens, training step: <= 19.8 ms", source=TM),
+    dict(id="e2e-step-peak", device="cuda", op="e2e_gemma2b", mode="train_step",
+         where={"L": ("==", 4), "T": ("==", 4096)},
+         check="all_le", column="peak_mem_bytes", threshold=4.5e9, unit="bytes",
+         text="same, training step: peak memory <= 4.5 GB", source=TM),
+    dict(id="e2e-prefill", device="cuda", op="e2e_gemma2b", mode="prefill", where={"L": ("==", 4), "T": ("==", 4096)},
+         check="all_le", column="time_p50_ms", threshold=6.6, unit="ms",
+         text="same stack, prefill forward: <= 6.6 ms", source=TM),
+    dict(id="e2e-step-eager", device="cuda", op="e2e_gemma2b", mode="train_step", where={},
+         check="vs_provider_ge", other="eager", threshold=1.15, unit="x",
+         text="training step >= 1.15x eager", source="issue 7"),
+    dict(id="e2e-step-compile", device="cuda", op="e2e_gemma2b", mode="train_step", where={},
+         check="vs_provider_ge", other="torch.compile", threshold=1.0, unit="x",
+         text="training step >= 1.0x torch.compile", source="issue 7"),
+    dict(id="e2e-prefill-eager", device="cuda", op="e2e_gemma2b", mode="prefill", where={},
+         check="vs_provider_ge", other="eager", threshold=1.1, unit="x",
+         text="prefill >= 1.1x eager", source="issue 7"),
+    dict(id="e2e-peak-eager", device="cuda", op="e2e_gemma2b", mode="train_step", where={},
+         check="vs_provider_ge", other="eager", column="peak_mem_bytes", threshold=1.0, unit="x",
+         text="training step peak memory <= eager's (ratio eager / ours)", source="issue 7"),
+    dict(id="cpu-rms-fwd", device="cpu", threads=2, op="rms_norm", mode="fwd", where={"M": (">=", 64)},
+         check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
+         text="CPU (2 cores): rms_norm fwd >= 2x eager PyTorch", source=TM),
+    dict(id="cpu-rms-bwd", device="cpu", threads=2, op="rms_norm", mode="bwd", where={"M": (">=", 64)},
+         check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
+         text="CPU (2 cores): rms_norm bwd >= 2x eager PyTorch", source="issue 3"),
+    dict(id="cpu-geglu", device="cpu", threads=2, op="geglu_act", mode="fwd", where={},
+         check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
+         text="CPU (2 cores): geglu activation >= 2x eager PyTorch", source=TM),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _shape_val(row: dict[str, str], col: str) -> float | None:
+    if col == "TI":
+        t, i = fnum(row.get("T")), fnum(row.get("I"))
+        return None if t is None or i is None else t * i
+    return fnum(row.get(col))
+
+
+def _matches(row: dict[str, str], where: dict[str, tuple]) -> bool:
+    for col, cond in where.items():
+        v = _shape_val(row, col)
+        if v is None:
+            return False
+        op, *vals = cond
+        ok = {">=": lambda: v >= vals[0], "<=": lambda: v <= vals[0], "==": lambda: v == vals[0],
+              "between": lambda: vals[0] <= v <= vals[1], "in": lambda: v in vals[0]}[op]()
+        if not ok:
+            return False
+    return True
+
+
+@dataclass
+class Verdict:
+    target: dict[str, Any]
+    status: str                  # "met" | "not met" | "not measured"
+    value: str = ""
+    detail: str = ""
+
+
+def _fmt_value(v: float, unit: str) -> str:
+    if unit == "bytes":
+        return f"{v / 1e9:.2f} GB"
+    if unit == "ms":
+        return f"{v * 1e3:.1f} us" if v < 0.1 else f"{v:.3f} ms"
+    if unit == "GB/s":
+        return f"{v / 1e3:.2f} TB/s" if v >= 1000 else f"{v:.1f} GB/s"
+    if unit == "x":
+        return f"{v:.3f}x"
+    if unit.startswith("%"):
+        return f"{v:.1f}%"
+    return f"{v:.4g}"
+
+
+def _ok(r: dict[str, str]) -> bool:
+    return r.get("status") == "ok"
+
+
+def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
+    dev_rows = [r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
+                and r.get("mode") == target["mode"] and _matches(r, target["where"])
+                and ("threads" not in target or r.get("threads") == str(target["threads"]))]
+    prov = target.get("provider", "ours")
+    ours = [r for r in dev_rows if r.get("provider") == prov and r.get("source") == "measured" and _ok(r)]
+    if not ours:
+        return Verdict(target, "not measured")
+    check = target["check"]
+    unit = target.get("unit", "")
+    col = target.get("column", "time_p50_ms")
+    if check in ("all_ge", "all_le"):
+        vals = [(fnum(r[col]), r["shape"]) for r in ours if fnum(r.get(col)) is not None]
+        if not vals:
+            return Verdict(target, "not measured")
+        worst = min(vals) if check == "all_ge" else max(vals)
+        ok = all((v >= target["threshold"]) if check == "all_ge" else (v <= target["threshold"]) for v, _ in vals)
+        best = max(vals) if check == "all_ge" else min(vals)
+        detail = f"worst at {worst[1]}" + (f"; best {_fmt_value(best[0], unit)}" if len(vals) > 1 else "")
+        return Verdict(target, "met" if ok else "not met", _fmt_value(worst[0], unit), f"{detail}; {len(vals)} shapes")
+    by_shape = defaultdict(list)
+    for r in dev_rows:
+        if _ok(r):
+            by_shape[r["shape"]].append(r)
+    ratios: list[tuple[float, str, str]] = []
+    for r in ours:
+        peers = by_shape[r["shape"]]
+        if check == "vs_provider_ge":
+            other = next((p for p in peers if p["provider"] == target["other"] and p.get("source") == "measured"), None)
+            if other is None or fnum(other.get(col)) is None or not fnum(r.get(col)):
+                continue
+            # time or memory: other / ours >= threshold (ours faster or leaner)
+            ratios.append((fnum(other[col]) / fnum(r[col]), r["shape"], target["other"]))
+        elif check == "vs_best_ge":
+            anchors = [p for p in peers if p.get("role") == "anchor" and fnum(p.get("time_p50_ms"))
+                       and (p.get("source") == "measured" or target.get("recorded"))]
+            if not anchors:
+                continue
+            best = min(anchors, key=lambda p: fnum(p["time_p50_ms"]))
+            ratios.append((fnum(best["time_p50_ms"]) / fnum(r["time_p50_ms"]), r["shape"], best["provider"]))
+        elif check == "err_le_provider":
+            other = next((p for p in peers if p["provider"] == target["other"]), None)
+            if other is None or fnum(other.get("max_err")) is None or fnum(r.get("max_err")) is None:
+                continue
+            e_ours, e_other = fnum(r["max_err"]), fnum(other["max_err"])
+            ratios.append((e_other - e_ours, r["shape"], f"ours {e_ours:.4g} vs {e_other:.4g}"))
+    if not ratios:
+        return Verdict(target, "not measured", detail="no comparison row in the CSV")
+    worst = min(ratios)
+    if check == "err_le_provider":
+        ok = all(d >= 0 for d, _, _ in ratios)
+        return Verdict(target, "met" if ok else "not met", worst[2], f"at {worst[1]}")
+    ok = all(v >= target["threshold"] for v, _, _ in ratios)
+    return Verdict(target, "met" if ok else "not met", _fmt_value(worst[0], "x"),
+                   f"worst at {worst[1]} (vs {worst[2]}); {len(ratios)} shapes")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------------------------
+
+PROVIDER_ORDER = ["ours", "eager", "torch.nn.RMSNorm", "torch.compile", "liger", "quack", "quack (recorded, not run)",
+                  "torch._addmm_activation", "mm only", "ours+torch.compile"]
+
+
+def _provider_key(p: str) -> tuple[int, str]:
+    return (PROVIDER_ORDER.index(p) if p in PROVIDER_ORDER else len(PROVIDER_ORDER), p)
+
+
+def _cell(r: dict[str, str] | None, metric_col: str) -> str:
+    if r is None:
+        return ""
+    if r.get("status") != "ok":
+        s = r.get("status", "")
+        return "error" if s.startswith("error") else ("skipped" if s.startswith("skipped") else s[:12])
+    t = fnum(r.get("time_p50_ms"))
+    v = fnum(r.get(metric_col))
+    ts = "" if t is None else (f"{t * 1e3:.1f} us" if t < 1 else f"{t:.2f} ms")
+    if v is None:
+        return ts
+    vs = f"{v / 1e3:.2f} TB/s" if metric_col == "gbps" and v >= 1000 else (
+        f"{v:.0f} GB/s" if metric_col == "gbps" else (f"{v:.0f} tok/s" if metric_col == "tokens_per_s" else
+                                                      f"{v:.0f} TFLOP/s"))
+    return f"{ts} ({vs})"
+
+
+def _metric_col(rows: Iterable[dict[str, str]]) -> str:
+    for r in rows:
+        if fnum(r.get("gbps")) is not None:
+            return "gbps"
+        if fnum(r.get("tflops")) is not None:
+            return "tflops"
+        if fnum(r.get("tokens_per_s")) is not None:
+            return "tokens_per_s"
+    return "gbps"
+
+
+def op_tables(rows: list[dict[str, str]], *, max_shapes: int | None) -> list[str]:
+    """One markdown table per (device, op, dtype, mode): shapes x providers, median time (throughput)."""
+    out: list[str] = []
+    groups: dict[tuple[str, str, str, str], list[dict[str, str]]] = defaultdict(list)
+    for r in rows:
+        if r.get("op") in ("ceiling", "") or not r.get("mode") or not r.get("shape"):
+            continue
+        groups[(r["device_name"], r["op"], r["dtype"], r["mode"])].append(r)
+    mode_order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "train_step": 3, "prefill": 4}
+    for (dev, op, dtype, mode), grp in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+                                                                             mode_order.get(kv[0][3], 9))):
+        shapes: list[str] = []
+        for r in grp:
+            if r["shape"] not in shapes and (r.get("source") == "measured"):
+                shapes.append(r["shape"])
+        if not shapes:
+            continue
+        total = len(shapes)
+        if max_shapes:
+            shapes = shapes[:max_shapes]
+        providers = sorted({r["provider"] for r in grp if r["provider"] != "*"}, key=_provider_key)
+        metric_col = _metric_col(grp)
+        cell = {(r["shape"], r["provider"]): r for r in grp}
+        has_peak = any(fnum(r.get("peak_mem_bytes")) for r in grp)
+        out.append(f"**{op}** · {mode} · {dtype} · {dev}" + (f" (first {len(shapes)} of {total} shapes; all in "
+                                                              f"the full report)" if len(shapes) < total else ""))
+        out.append("")
+        head = ["shape"] + providers + ["ours vs best anchor", "ours max err (✓: 2x rule)"] + (["peak ours"] if has_peak
+                                                                                        else [])
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for s in shapes:
+            ours = cell.get((s, "ours"))
+            sp = fnum(ours.get("speedup_vs_best_anchor")) if ours else None
+            sp_s = f"{sp:.2f}x vs {ours.get('best_anchor')}" if sp else ""
+            err = ""
+            if ours and ours.get("max_err"):
+                err = f"{fnum(ours['max_err']):.3g}" + {"true": " ✓", "false": " ✗"}.get(ours.get("verified", ""), "")
+            line = [s] + [_cell(cell.get((s, p)), metric_col) for p in providers] + [sp_s, err]
+            if has_peak:
+                pk = fnum(ours.get("peak_mem_bytes")) if ours else None
+                line.append(f"{pk / 1e9:.2f} GB" if pk else "")
+            out.append("| " + " | ".join(line) + " |")
+        out.append("")
+    return out
+
+
+def summary_table(rows: list[dict[str, str]]) -> list[str]:
+    """Per (device, op, dtype, mode): shapes measured, ours' speedup over the best in-run anchor (geometric mean,
+    worst, best) and ours' median share of the ceiling."""
+    groups: dict[tuple[str, str, str, str], list[dict[str, str]]] = defaultdict(list)
+    for r in rows:
+        if r.get("provider") == "ours" and r.get("status") == "ok" and r.get("source") == "measured":
+            groups[(r["device_name"], r["op"], r["dtype"], r["mode"])].append(r)
+    if not groups:
+        return []
+    out = ["| device | op | dtype | mode | shapes | ours vs best anchor: geomean (worst .. best) | ours % of ceiling "
+           "(median) |", "|---|---|---|---|---|---|---|"]
+    mode_order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "train_step": 3, "prefill": 4}
+    for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], mode_order.get(k[3], 9))):
+        grp = groups[key]
+        sp = sorted(v for v in (fnum(r.get("speedup_vs_best_anchor")) for r in grp) if v)
+        pct = sorted(v for v in (fnum(r.get("pct_of_ceiling")) for r in grp) if v is not None)
+        gm = math.exp(sum(math.log(v) for v in sp) / len(sp)) if sp else None
+        sp_s = f"{gm:.2f}x ({sp[0]:.2f}x .. {sp[-1]:.2f}x)" if sp else ""
+        pct_s = f"{pct[len(pct) // 2]:.0f}%" if pct else ""
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(grp)} | {sp_s} | {pct_s} |")
+    return out
+
+
+def environment_lines(rows: list[dict[str, str]]) -> list[str]:
+    out = []
+    seen = set()
+    for r in rows:
+        key = (r.get("device_name"), r.get("torch"), r.get("git_rev"), r.get("kernel_build"))
+        if key in seen or not r.get("device_name"):
+            continue
+        seen.add(key)
+        bits = [f"**{r['device_name']}**", f"torch {r.get('torch')}"]
+        for k in ("triton", "cuda", "liger", "transformers", "kernels"):
+            if r.get(k):
+                bits.append(f"{k} {r[k]}")
+        if r.get("device") == "cpu":
+            bits.append(f"{r.get('threads')} threads, load avg {r.get('load_avg') or '?'} at start")
+        bits.append(f"git {r.get('git_rev')}, kernel build `{r.get('kernel_build')}`, {r.get('date_utc')}")
+        out.append("- " + ", ".join(bits))
+    ceil = [r for r in rows if r.get("op") == "ceiling" and r.get("status") == "ok"]
+    for r in ceil:
+        if r["provider"] == "device copy":
+            out.append(f"- ceiling on {r['device_name']}: device copy {fnum(r['gbps']):.0f} GB/s (read + write)")
+        else:
+            out.append(f"- ceiling on {r['device_name']}: {r['dtype']} GEMM {r['shape']} "
+                       f"{fnum(r['tflops']):.2f} TFLOP/s")
+    return out
+
+
+def render(rows: list[dict[str, str]], *, max_shapes: int | None, tables: bool = True,
+           full_report: str | None = None) -> str:
+    verdicts = [evaluate(t, rows) for t in TARGETS]
+    lines = ["### Measured results", "",
+             "Generated by `benchmarks/report.py` from the CSVs under `benchmarks/results/` (no number typed by "
+             "hand). Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before every call) "
+             "on the GPU and of per-call timers on the CPU; small shapes include launch and Python overhead, as a "
+             "user sees them. `bwd` = (fwd+bwd) - fwd. Anchors were measured in the same run except rows labelled "
+             "recorded.", ""]
+    lines += environment_lines(rows) + [""]
+    met = sum(v.status == "met" for v in verdicts)
+    measured = sum(v.status != "not measured" for v in verdicts)
+    lines += [f"#### Targets ({met} met of {measured} measured; {len(verdicts)} in all)", "",
+              "| target | source | status | measured | where |", "|---|---|---|---|---|"]
+    icon = {"met": "✅ met", "not met": "❌ not met", "not measured": "· not measured"}
+    for v in verdicts:
+        lines.append(f"| {v.target['text']} | {v.target['source']} | {icon[v.status]} | {v.value} | {v.detail} |")
+    summary = summary_table(rows)
+    if summary:
+        lines += ["", "#### Summary", ""] + summary
+    if tables:
+        lines += ["", "#### Per op", ""]
+        lines += op_tables(rows, max_shapes=max_shapes)
+    elif full_report:
+        lines += ["", f"Every shape and provider: [{full_report}]({full_report}); plots next to the CSVs in "
+                  "`benchmarks/results/<device>/`."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_readme(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    block = f"{START}\n{section}{END}"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + "## Results\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("csv", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, help="write the full report (all shapes) here")
+    p.add_argument("--write-readme", type=Path, help="replace the results section of this README")
+    p.add_argument("--readme-tables", action="store_true", help="also put per-op tables (first --readme-shapes "
+                   "shapes each) in the README; by default it gets the targets and the summary and links --out")
+    p.add_argument("--readme-shapes", type=int, default=8, help="shapes per table in the README (default 8)")
+    args = p.parse_args(argv)
+    rows: list[dict[str, str]] = []
+    for c in args.csv:
+        rows += read_rows(c)
+    full = render(rows, max_shapes=None)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(full)
+        print(f"wrote {args.out}")
+    if args.write_readme:
+        link = None
+        if args.out:
+            try:
+                link = str(args.out.resolve().relative_to(args.write_readme.resolve().parent))
+            except ValueError:
+                link = str(args.out)
+        write_readme(args.write_readme, render(rows, max_shapes=args.readme_shapes, tables=args.readme_tables,
+                                               full_report=link))
+        print(f"updated {args.write_readme}")
+    if not args.out and not args.write_readme:
+        sys.stdout.write(full)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
