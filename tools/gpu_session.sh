@@ -3,41 +3,45 @@
 #   build the CUDA variant for that machine's torch, run the whole test suite on the GPU, compute-sanitizer
 #   over the compact kernel set, then the benchmarks. Logs, CSVs and plots go under $OUT (fetched back).
 # Usage on the GPU machine (with the wheels folder carried):  bash tools/gpu_session.sh [stages...]
+# What comes back is kept to a few files (the device tool returns at most 8): $OUT/session.log (every stage's
+# output tail), $OUT/<device>/sweep.csv and e2e.csv (the benchmarks mirror their CSVs there), $OUT/junit.xml.
 # stages: build tests sanitize bench e2e multigpu (default: build tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/fused-mlp-out}"
 mkdir -p "$OUT"
+LOG="$OUT/session.log"
+exec > >(tee -a "$LOG") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export FUSED_MLP_CUDA_CAPABILITIES="${FUSED_MLP_CUDA_CAPABILITIES:-9.0}"
 # NVLink multicast stays off on shared multi-GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages="${*:-build tests sanitize bench}"
 [ -f .whl/prelude.sh ] && source .whl/prelude.sh
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 for s in $stages; do
   case "$s" in
     build)
       stamp build
-      python3 tools/build.py -j 16 2>&1 | tail -n 40 | tee "$OUT/build.log" ;;
+      python3 tools/build.py -j 16 2>&1 | tail -n 40 ;;
     tests)
       stamp tests
-      timeout 420 python3 -m pytest tests -q -x --durations=15 -p no:cacheprovider \
-        --junitxml="$OUT/junit.xml" 2>&1 | tail -n 80 | tee "$OUT/tests.log" ;;
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -q -rfEs --durations=15 -p no:cacheprovider \
+        --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tail -n 120 ;;
     sanitize)
       stamp sanitize
-      timeout 300 bash tools/sanitize.sh 2>&1 | tail -n 40 | tee "$OUT/sanitize.log" ;;
+      timeout 300 bash tools/sanitize.sh 2>&1 | tail -n 60 ;;
     bench)
       stamp bench
-      timeout 330 python3 benchmarks/sweep.py --out "$OUT" 2>&1 | tail -n 60 | tee "$OUT/bench.log" ;;
+      timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/sweep.py ${BENCH_ARGS:-} 2>&1 | tail -n 80 ;;
     e2e)
       stamp e2e
-      timeout 300 python3 benchmarks/e2e.py --out "$OUT" 2>&1 | tail -n 40 | tee "$OUT/e2e.log" ;;
+      timeout 300 python3 benchmarks/e2e.py ${E2E_ARGS:-} 2>&1 | tail -n 40 ;;
     multigpu)
       stamp multigpu
-      timeout 300 python3 -m pytest tests/test_distributed.py -q 2>&1 | tail -n 30 | tee "$OUT/multigpu.log" ;;
+      timeout 300 python3 -m pytest tests/test_distributed.py -q -rfEs 2>&1 | tail -n 30 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

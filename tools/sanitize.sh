@@ -9,7 +9,7 @@ CS="${COMPUTE_SANITIZER:-compute-sanitizer}"
 command -v "$CS" >/dev/null || CS=/usr/local/cuda/bin/compute-sanitizer
 status=0
 for tool in memcheck racecheck initcheck synccheck; do
-  log="${OUT:-/tmp}/sanitize-$tool.log"
+  log="/tmp/sanitize-$tool.log"
   # Only our kernels (all in namespace fused_mlp::) are checked: cuBLAS and PyTorch kernels are not ours.
   "$CS" --tool "$tool" --kernel-name kns=fused_mlp --error-exitcode 97 python3 tools/sanitize_cases.py > "$log" 2>&1
   rc=$?
