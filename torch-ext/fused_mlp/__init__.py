@@ -8,3 +8,15 @@ from . import layers
 from .rms_norm import rms_norm, rms_norm_reference
 
 __all__ = ["layers", "rms_norm", "rms_norm_reference"]
+
+# ---- gated activations and the gated MLP (geglu.py) ----
+from .geglu import (  # noqa: E402
+    gated_mlp,
+    gated_mlp_reference,
+    geglu,
+    geglu_reference,
+    swiglu,
+    swiglu_reference,
+)
+
+__all__ += ["geglu", "swiglu", "gated_mlp", "geglu_reference", "swiglu_reference", "gated_mlp_reference"]
