@@ -335,9 +335,19 @@ void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {
   }
 }
 
+// 2-D, float, unit stride along I (any strides for an empty tensor: nothing is addressed).
+void check_rows_any(const at::Tensor& t, const char* name) {
+  if (t.numel() == 0) {
+    TORCH_CHECK(t.dim() == 2 && is_float_type(t.scalar_type()), "fused_mlp: ", name,
+                " must be a 2-D float32/float16/bfloat16 tensor");
+    return;
+  }
+  check_rows(t, name);
+}
+
 void check_pair(const at::Tensor& gate, const at::Tensor& up) {
-  check_rows(gate, "gate");
-  check_rows(up, "up");
+  check_rows_any(gate, "gate");
+  check_rows_any(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
   TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
               " != up dtype ", up.scalar_type());
@@ -345,7 +355,7 @@ void check_pair(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 void check_dh(const at::Tensor& dh, const at::Tensor& gate) {
-  check_rows(dh, "dh");
+  check_rows_any(dh, "dh");
   TORCH_CHECK(dh.sizes() == gate.sizes(), "fused_mlp: dh shape ", dh.sizes(), " != gate shape ", gate.sizes());
   TORCH_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == at::kFloat,
               "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());

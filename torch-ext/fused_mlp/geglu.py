@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import as_rows, check_device, check_tensor, declare_grad_dtypes
+from ._common import check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["geglu", "swiglu", "gated_mlp", "geglu_reference", "swiglu_reference", "gated_mlp_reference"]
@@ -27,11 +27,20 @@ __all__ = ["geglu", "swiglu", "gated_mlp", "geglu_reference", "swiglu_reference"
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
 
-try:  # private engine query: is this backward pass keeping the graph (retain_graph=True)?
+try:  # private engine query: does the running backward keep the graph (retain_graph=True)?
     from torch._C._autograd import _get_current_graph_task_keep_graph as _keep_graph
-except ImportError:  # pragma: no cover - older torch: assume the graph may be kept (never reuse saved buffers)
+except ImportError:  # pragma: no cover - torch without it: assume it may (never overwrite saved buffers)
     def _keep_graph() -> bool:
         return True
+
+
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit stride along n, a view where the strides allow it (any row stride).
+    The row count is spelled out so that n == 0 works too (reshape(-1, 0) is ambiguous)."""
+    t2 = t.reshape(t.shape[:-1].numel(), n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
 
 
 # ---- custom ops: fake implementations for torch.compile --------------------------------------------------
@@ -73,7 +82,7 @@ class _GatedActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dh = as_rows(dh, gate.shape[1])  # may arrive as an expanded (stride-0) or transposed view
+        dh = _as_rows(dh, gate.shape[1])  # may arrive as an expanded (stride-0) or transposed view
         if dh.dtype != gate.dtype and dh.dtype != torch.float32:
             dh = dh.to(gate.dtype)
         dgate, dup = ops.geglu_bwd(dh, gate, up, ctx.activation)
@@ -84,7 +93,11 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
     check_tensor(gate, "gate")
     check_tensor(up, "up")
     check_device(up, gate, "up", "gate")
-    if gate.shape != up.shape:
+    if torch.compiler.is_compiling() and gate.dim() == up.dim():
+        # Token counts may be unbacked symbols (mark_unbacked): assert at run time instead of guarding on them.
+        for a, b in zip(gate.shape, up.shape):
+            torch._check(a == b, lambda: "gate and up must have one shape")
+    elif gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got gate {list(gate.shape)} and up {list(up.shape)}")
     if gate.dtype != up.dtype:
         raise TypeError(f"gate and up must have one dtype, got gate {gate.dtype} and up {up.dtype}")
@@ -92,8 +105,8 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
         raise ValueError("gate and up must have at least one dimension [..., I]")
     n = gate.shape[-1]
     lead = gate.shape[:-1]
-    g2 = as_rows(gate, n)
-    u2 = as_rows(up, n)
+    g2 = _as_rows(gate, n)
+    u2 = _as_rows(up, n)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         h = _GatedActFunction.apply(g2, u2, activation)
     else:  # inference: no autograd node, no saved tensors
@@ -150,14 +163,13 @@ class _GatedMLPFunction(torch.autograd.Function):
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
         dh = torch.mm(dy, w_down)  # [T, I]
-        if torch.compiler.is_compiling() or _keep_graph():
-            # Keep the saved gate/up intact: a retained graph may run this backward again, and compiled graphs
-            # plan their own buffers. h is rebuilt into dh's buffer all the same.
-            dgate, dup = ops.geglu_bwd(dh, gate, up, ctx.activation)
-            h = ops.geglu_fwd(gate, up, ctx.activation) if need[5] else None
-        else:
-            ops.geglu_bwd_(dh, gate, up, ctx.activation)  # dh <- h, gate <- dgate, up <- dup
-            h, dgate, dup = dh, gate, up
+        if not torch.compiler.is_compiling() and _keep_graph():
+            # retain_graph=True: this backward may run again, so the saved gate/up must survive it; work on
+            # copies (rare path). Under torch.compile the saved activations are donated to the backward graph
+            # (AOTAutograd refuses retain_graph there), so the in-place form is always right.
+            gate, up = gate.clone(), up.clone()
+        ops.geglu_bwd_(dh, gate, up, ctx.activation)  # dh <- h, gate <- dgate, up <- dup (one pass)
+        h, dgate, dup = dh, gate, up
         del dh
         d_w_down = torch.mm(dy.t(), h) if need[5] else None
         d_b_down = dy.sum(0) if (need[6] and ctx.has_bias[2]) else None
@@ -188,14 +200,27 @@ def gated_mlp(
 
     Args:
         x: ``[..., H]``. w_gate, w_up: ``[I, H]``; w_down: ``[H_out, I]``; biases ``[I]``/``[H_out]`` or None.
-            All one dtype (float32/float16/bfloat16) and one device (cast first under autocast: the layer does).
+            One dtype (float32/float16/bfloat16) and one device; under ``torch.autocast`` all are cast to the
+            autocast dtype first, as ``F.linear`` would cast them.
         activation: ``"gelu_tanh"``, ``"gelu"`` (erf) or ``"silu"``.
     Without autograd (no_grad / inference_mode / nothing requires grad) no autograd node is built at all.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., H]")
+    _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
+
+
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str) -> torch.Tensor:
+    """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
+    if torch.is_autocast_enabled(x.device.type):
+        # Cast once, outside the autograd Function (the casts are differentiable: fp32 master weights get fp32
+        # grads), exactly as autocast would cast each F.linear; backward then runs in one dtype.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_gate, w_up, w_down = x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
+        b_gate = b_gate.to(dtype) if b_gate is not None else None
+        b_up = b_up.to(dtype) if b_up is not None else None
+        b_down = b_down.to(dtype) if b_down is not None else None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (
@@ -209,6 +234,37 @@ def gated_mlp(
         up = F.linear(x2, w_up, b_up)
         y = F.linear(ops.geglu_fwd(gate, up, activation), w_down, b_down)
     return y.view(*lead, y.shape[-1])
+
+
+def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
+    """Shapes and dtypes, before anything is launched (F.linear would only complain half-way through)."""
+    check_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., H]")
+    for w, name in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down")):
+        check_tensor(w, name)
+        check_device(w, x, name, "x")
+        if w.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {list(w.shape)}")
+    i, h = w_gate.shape
+    if x.shape[-1] != h:
+        raise ValueError(f"x's last dim ({x.shape[-1]}) must match w_gate's in_features ({h})")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up must have w_gate's shape {list(w_gate.shape)}, got {list(w_up.shape)}")
+    if w_down.shape[1] != i:
+        raise ValueError(f"w_down must have shape [H_out, {i}], got {list(w_down.shape)}")
+    for b, n, name in ((b_gate, i, "b_gate"), (b_up, i, "b_up"), (b_down, w_down.shape[0], "b_down")):
+        if b is not None:
+            check_tensor(b, name)
+            check_device(b, x, name, "x")
+            if b.shape != (n,):
+                raise ValueError(f"{name} must have shape [{n}], got {list(b.shape)}")
+    if not torch.is_autocast_enabled(x.device.type):
+        dts = {x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}
+        dts.update(b.dtype for b in (b_gate, b_up, b_down) if b is not None)
+        if len(dts) != 1:
+            raise TypeError(f"x, weights and biases must share one dtype (or run under torch.autocast), got x "
+                            f"{x.dtype}, w_gate {w_gate.dtype}, w_up {w_up.dtype}, w_down {w_down.dtype}")
 
 
 # ---- fp32 references ---------------------------------------------------------------------------------------

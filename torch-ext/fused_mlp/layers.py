@@ -39,3 +39,90 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=1.0, out_dtype=x.dtype)
+
+
+# ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
+from .geglu import _GELU_APPROXIMATE, _gated_mlp  # noqa: E402
+
+__all__ += ["GeGLUMLP"]
+
+# Activation modules recognised by (module, class name), exact type only (a subclass may override forward).
+# Checked against transformers 5.22.2's ACT2FN: "gelu_pytorch_tanh" -> GELUTanh (PytorchGELUTanh is its alias),
+# "gelu_new" -> NewGELUActivation, "gelu_fast" -> FastGELUActivation and AccurateGELUActivation (the tanh formula
+# written differently, the same function), "gelu" -> GELUActivation (erf; its `use_gelu_python` variant too),
+# "silu" -> SiLUActivation, "swish" -> nn.SiLU. "approx" = read the instance's `approximate` ("none" by default).
+_ACTIVATION_BY_CLASS = {
+    ("transformers.activations", "GELUTanh"): "gelu_tanh",
+    ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
+    ("transformers.activations", "NewGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "FastGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "AccurateGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "GELUActivation"): "approx",
+    ("torch.nn.modules.activation", "GELU"): "approx",
+    ("transformers.activations", "SiLUActivation"): "silu",
+    ("torch.nn.modules.activation", "SiLU"): "silu",
+}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _activation_kind(act) -> str | None:
+    """The kernel activation equal to `act`, or None when `act` is anything else (then the module's own math)."""
+    t = type(act)
+    kind = _ACTIVATION_BY_CLASS.get((t.__module__, t.__qualname__))
+    if kind == "approx":
+        approximate = getattr(act, "approximate", "none")
+        return _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+    if kind is None:
+        if act is torch.nn.functional.silu:
+            return "silu"
+        if act is torch.nn.functional.gelu:
+            return "gelu"
+    return kind
+
+
+def _plain_linear(m) -> bool:
+    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no tensor subclass weights
+    (quantised, DTensor, ...). Anything else keeps the module's own math."""
+    return (
+        type(m) is nn.Linear
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and type(m.weight) in (nn.Parameter, torch.Tensor)
+    )
+
+
+class GeGLUMLP(nn.Module):
+    """Gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma/Gemma2/Gemma3 (tanh-GeLU), exact-GeLU
+    MLPs and Llama/Qwen/Mistral (SiLU: SwiGLU).
+
+    Reads ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear, bias optional) and ``act_fn``. The projections go
+    through cuBLAS, the activation and the product are one kernel (fp32 math, one rounding), and in training only
+    ``x``, ``gate`` and ``up`` are kept for backward. Any other activation, a non-plain Linear (subclass, hooks,
+    quantised weights) or mixed dtypes outside autocast run the module's own math, with exactly its result.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        activation = _activation_kind(self.act_fn)
+        if (
+            activation is not None
+            and type(x) is torch.Tensor
+            and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
+        ):
+            w_gate, w_up, w_down = gate_proj.weight, up_proj.weight, down_proj.weight
+            b_gate, b_up, b_down = gate_proj.bias, up_proj.bias, down_proj.bias
+            dtype = x.dtype
+            if dtype in _FLOAT_DTYPES and (
+                torch.is_autocast_enabled(x.device.type)  # every operand is cast to the autocast dtype
+                or (
+                    w_gate.dtype == dtype and w_up.dtype == dtype and w_down.dtype == dtype
+                    and (b_gate is None or b_gate.dtype == dtype)
+                    and (b_up is None or b_up.dtype == dtype)
+                    and (b_down is None or b_down.dtype == dtype)
+                )
+            ):
+                return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
+        return down_proj(self.act_fn(gate_proj(x)) * up_proj(x))
