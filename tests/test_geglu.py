@@ -216,6 +216,23 @@ def test_opcheck(fm, device):
     halves = torch.randn(6, 64, device=device)
     g, u = halves.chunk(2, dim=-1)
     torch.library.opcheck(ops.geglu_fwd, (g, u, "gelu"))
+    # The forward also takes contiguous tensors of any rank (the MLP's inference path feeds it F.linear's
+    # outputs as they are); other non-2-D layouts are refused.
+    g3, u3 = inputs((2, 3, 40), torch.bfloat16, device)
+    torch.library.opcheck(ops.geglu_fwd, (g3, u3, "silu"))
+    assert torch.equal(ops.geglu_fwd(g3, u3, "silu"), ops.geglu_fwd(g3.view(6, 40), u3.view(6, 40), "silu").view(2, 3, 40))
+    with pytest.raises(RuntimeError, match="2-D .* or contiguous"):
+        ops.geglu_fwd(g3.transpose(0, 1), u3.transpose(0, 1), "silu")
+
+
+def test_cpu_variant_matches(fm, fm_cpu):
+    """The CPU-only build and the installed-torch build serve CPU tensors identically."""
+    gate, up = inputs((13, 300), torch.bfloat16, "cpu")
+    gate.requires_grad_()
+    for act in ACTS:
+        a, b = call(fm, act, gate, up), call(fm_cpu, act, gate, up)
+        assert torch.equal(a, b)
+        assert torch.equal(torch.autograd.grad(a.sum(), gate)[0], torch.autograd.grad(b.sum(), gate)[0])
 
 
 def test_compile_fullgraph_no_recompiles(fm, device):

@@ -311,9 +311,15 @@ void for_each_span(int64_t rows, int64_t cols, F&& f) {
   });
 }
 
+// Row view of a tensor the ops accept: 2-D [rows, cols] with unit stride along cols and any row stride, or a
+// contiguous tensor of any rank (rows = all leading dims; geglu_fwd only: the inference path skips reshapes).
+int64_t n_cols(const at::Tensor& t) { return t.dim() == 0 ? 1 : t.size(-1); }
+int64_t n_rows(const at::Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
+int64_t row_stride(const at::Tensor& t) { return t.dim() == 2 ? t.stride(0) : n_cols(t); }
+
 template <typename T>
 T* elem_ptr(const at::Tensor& t, int64_t r, int64_t c) {
-  return static_cast<T*>(t.data_ptr()) + r * t.stride(0) + c;
+  return static_cast<T*>(t.data_ptr()) + r * row_stride(t) + c;
 }
 
 template <typename F>
@@ -335,19 +341,25 @@ void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {
   }
 }
 
-// 2-D, float, unit stride along I (any strides for an empty tensor: nothing is addressed).
-void check_rows_any(const at::Tensor& t, const char* name) {
+// 2-D, float, unit stride along I (any strides for an empty tensor: nothing is addressed); with allow_nd, a
+// contiguous tensor of another rank is accepted as well.
+void check_rows_any(const at::Tensor& t, const char* name, bool allow_nd = false) {
+  TORCH_CHECK(is_float_type(t.scalar_type()), "fused_mlp: ", name, " must be float32/float16/bfloat16, got ",
+              t.scalar_type());
+  if (allow_nd && t.dim() != 2) {
+    TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
+    return;
+  }
   if (t.numel() == 0) {
-    TORCH_CHECK(t.dim() == 2 && is_float_type(t.scalar_type()), "fused_mlp: ", name,
-                " must be a 2-D float32/float16/bfloat16 tensor");
+    TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
     return;
   }
   check_rows(t, name);
 }
 
-void check_pair(const at::Tensor& gate, const at::Tensor& up) {
-  check_rows_any(gate, "gate");
-  check_rows_any(up, "up");
+void check_pair(const at::Tensor& gate, const at::Tensor& up, bool allow_nd = false) {
+  check_rows_any(gate, "gate", allow_nd);
+  check_rows_any(up, "up", allow_nd);
   TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
   TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
               " != up dtype ", up.scalar_type());
@@ -397,9 +409,9 @@ using namespace fused_mlp::cpu;
 
 at::Tensor geglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
   const Act act = parse_activation(std::string_view(activation.data(), activation.size()));
-  check_pair(gate, up);
-  const int64_t rows = gate.size(0), cols = gate.size(1);
-  auto out = at::empty({rows, cols}, gate.options());
+  check_pair(gate, up, /*allow_nd=*/true);
+  const int64_t rows = n_rows(gate), cols = n_cols(gate);
+  auto out = at::empty(gate.sizes(), gate.options());
   const bool avx2 = cpu_has_avx2_fma();
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;

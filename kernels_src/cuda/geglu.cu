@@ -263,8 +263,15 @@ int grid_for(const void* kernel, int device, uint32_t n_packs) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, device))));
 }
 
+// Row view of a tensor the ops accept: 2-D [rows, cols] with unit stride along cols and any row stride, or a
+// contiguous tensor of any rank (rows = all leading dims; geglu_fwd only: the inference path skips reshapes).
+int64_t n_cols(const at::Tensor& t) { return t.size(-1); }
+int64_t n_rows(const at::Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
 // The row stride the kernels use: any value for a single row (torch reports arbitrary strides for size-1 dims).
-int64_t row_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : 0; }
+int64_t row_stride(const at::Tensor& t) {
+  if (t.dim() != 2) return n_cols(t);
+  return t.size(0) > 1 ? t.stride(0) : 0;
+}
 
 // 16-byte accesses are legal for t: aligned base and a row stride that keeps every row aligned.
 bool aligned16(const at::Tensor& t) {
@@ -290,16 +297,20 @@ void dispatch_act(Act a, F&& f) {
   }
 }
 
-void check_rows_cuda(const at::Tensor& t, const char* name) {
+void check_rows_cuda(const at::Tensor& t, const char* name, bool allow_nd = false) {
   TORCH_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor, got ", t.device());
+  if (allow_nd && t.dim() != 2) {
+    TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
+    return;
+  }
   TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
   TORCH_CHECK(t.numel() == 0 || t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name,
               " must have unit stride along cols");
 }
 
-void check_pair(const at::Tensor& gate, const at::Tensor& up) {
-  check_rows_cuda(gate, "gate");
-  check_rows_cuda(up, "up");
+void check_pair(const at::Tensor& gate, const at::Tensor& up, bool allow_nd = false) {
+  check_rows_cuda(gate, "gate", allow_nd);
+  check_rows_cuda(up, "up", allow_nd);
   TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
   TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
               " != up dtype ", up.scalar_type());
@@ -326,7 +337,7 @@ T* mptr(const at::Tensor& t, int64_t r0) {
 template <Act A, typename T, int N>
 void launch_fwd(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out, int device,
                 cudaStream_t stream) {
-  const int64_t rows = gate.size(0), packs_per_row = gate.size(1) / N;
+  const int64_t rows = n_rows(gate), packs_per_row = n_cols(gate) / N;
   auto kernel = geglu_fwd_kernel<A, T, N>;
   for_row_chunks(rows, packs_per_row, [&](int64_t r0, int64_t nr) {
     const auto n_packs = static_cast<uint32_t>(nr * packs_per_row);
@@ -383,10 +394,10 @@ using namespace fused_mlp::cuda;
 
 at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
   const Act act = parse_activation(activation);
-  check_pair(gate, up);
+  check_pair(gate, up, /*allow_nd=*/true);
   c10::cuda::CUDAGuard guard(gate.device());
-  const int64_t rows = gate.size(0), cols = gate.size(1);
-  auto out = at::empty({rows, cols}, gate.options());
+  const int64_t rows = n_rows(gate), cols = n_cols(gate);
+  auto out = at::empty(gate.sizes(), gate.options());
   if (rows == 0 || cols == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int device = gate.get_device();

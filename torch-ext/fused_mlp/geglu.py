@@ -208,12 +208,20 @@ def gated_mlp(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, _autocast_on(x))
 
 
-def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str) -> torch.Tensor:
+def _autocast_on(x: torch.Tensor) -> bool:
+    """Is autocast active for x's device? Eagerly, the any-device flag answers the common "no" in a fraction of
+    the time (decode runs this per layer per token); dynamo traces the public query instead."""
+    if torch.compiler.is_compiling():
+        return torch.is_autocast_enabled(x.device.type)
+    return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type)
+
+
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, autocast: bool) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
-    if torch.is_autocast_enabled(x.device.type):
+    if autocast:
         # Cast once, outside the autograd Function (the casts are differentiable: fp32 master weights get fp32
         # grads), exactly as autocast would cast each F.linear; backward then runs in one dtype.
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -221,19 +229,17 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str) -
         b_gate = b_gate.to(dtype) if b_gate is not None else None
         b_up = b_up.to(dtype) if b_up is not None else None
         b_down = b_down.to(dtype) if b_down is not None else None
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (
         x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad
         or (b_gate is not None and b_gate.requires_grad) or (b_up is not None and b_up.requires_grad)
         or (b_down is not None and b_down.requires_grad)
     ):
-        y = _GatedMLPFunction.apply(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
-    else:  # inference: three GEMMs and one activation kernel, nothing else
-        gate = F.linear(x2, w_gate, b_gate)
-        up = F.linear(x2, w_up, b_up)
-        y = F.linear(ops.geglu_fwd(gate, up, activation), w_down, b_down)
-    return y.view(*lead, y.shape[-1])
+        lead = x.shape[:-1]
+        y = _GatedMLPFunction.apply(x.reshape(-1, x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down, b_down,
+                                    activation)
+        return y.view(*lead, y.shape[-1])
+    # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
+    return F.linear(ops.geglu_fwd(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down, b_down)
 
 
 def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
@@ -259,7 +265,7 @@ def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
             check_device(b, x, name, "x")
             if b.shape != (n,):
                 raise ValueError(f"{name} must have shape [{n}], got {list(b.shape)}")
-    if not torch.is_autocast_enabled(x.device.type):
+    if not _autocast_on(x):
         dts = {x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}
         dts.update(b.dtype for b in (b_gate, b_up, b_down) if b is not None)
         if len(dts) != 1:

@@ -42,7 +42,7 @@ class GemmaRMSNorm(nn.Module):
 
 
 # ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
-from .geglu import _GELU_APPROXIMATE, _gated_mlp  # noqa: E402
+from .geglu import _GELU_APPROXIMATE, _autocast_on, _gated_mlp  # noqa: E402
 
 __all__ += ["GeGLUMLP"]
 
@@ -62,7 +62,6 @@ _ACTIVATION_BY_CLASS = {
     ("transformers.activations", "SiLUActivation"): "silu",
     ("torch.nn.modules.activation", "SiLU"): "silu",
 }
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _activation_kind(act) -> str | None:
@@ -81,13 +80,14 @@ def _activation_kind(act) -> str | None:
 
 
 def _plain_linear(m) -> bool:
-    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no tensor subclass weights
-    (quantised, DTensor, ...). Anything else keeps the module's own math."""
+    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no tensor-subclass weight
+    (quantised, DTensor, ...). Anything else keeps the module's own math. (Dict reads, not attribute reads:
+    nn.Module.__getattr__ costs about a microsecond each, and decode runs this per layer per token.)"""
     return (
         type(m) is nn.Linear
         and not m._forward_hooks
         and not m._forward_pre_hooks
-        and type(m.weight) in (nn.Parameter, torch.Tensor)
+        and type(m._parameters["weight"]) in (nn.Parameter, torch.Tensor)
     )
 
 
@@ -105,24 +105,30 @@ class GeGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        activation = _activation_kind(self.act_fn)
+        mods = self._modules
+        gate_proj, up_proj, down_proj = mods.get("gate_proj"), mods.get("up_proj"), mods.get("down_proj")
+        act_fn = mods.get("act_fn")
+        if act_fn is None:
+            act_fn = self.act_fn  # a plain function attribute (F.silu, ...)
+        activation = _activation_kind(act_fn)
         if (
             activation is not None
             and type(x) is torch.Tensor
             and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
         ):
-            w_gate, w_up, w_down = gate_proj.weight, up_proj.weight, down_proj.weight
-            b_gate, b_up, b_down = gate_proj.bias, up_proj.bias, down_proj.bias
+            gp, upp, dp = gate_proj._parameters, up_proj._parameters, down_proj._parameters
+            w_gate, w_up, w_down = gp["weight"], upp["weight"], dp["weight"]
+            b_gate, b_up, b_down = gp.get("bias"), upp.get("bias"), dp.get("bias")
             dtype = x.dtype
-            if dtype in _FLOAT_DTYPES and (
-                torch.is_autocast_enabled(x.device.type)  # every operand is cast to the autocast dtype
+            autocast = _autocast_on(x)
+            if (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32) and (
+                autocast  # every operand is cast to the autocast dtype, as F.linear would cast it
                 or (
-                    w_gate.dtype == dtype and w_up.dtype == dtype and w_down.dtype == dtype
-                    and (b_gate is None or b_gate.dtype == dtype)
-                    and (b_up is None or b_up.dtype == dtype)
-                    and (b_down is None or b_down.dtype == dtype)
+                    w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
+                    and (b_gate is None or b_gate.dtype is dtype)
+                    and (b_up is None or b_up.dtype is dtype)
+                    and (b_down is None or b_down.dtype is dtype)
                 )
             ):
-                return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
-        return down_proj(self.act_fn(gate_proj(x)) * up_proj(x))
+                return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
