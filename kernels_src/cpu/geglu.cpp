@@ -215,10 +215,10 @@ FM_INLINE void act_fwd_bwd(float x, float& a, float& da) {
 }
 
 // ---- element loops over one contiguous span ----------------------------------------------------------------
-// Chunks of kChunk elements go through fp32 scratch arrays: load/convert, math, convert/store, each a separate
-// unit-stride loop. The scratch arrays alias nothing, so GCC vectorises every loop without run-time alias
-// checks (it gives up on six same-typed pointers), and the in-place variant reads a whole chunk before it
-// writes any of it (outputs may alias inputs element for element: h_out == dh, dgate == gate, dup == up).
+// Out of place, one fused loop over __restrict pointers. In place, chunks of kChunk elements go through fp32
+// scratch arrays (load/convert, math, convert/store: separate unit-stride loops): the scratch arrays alias
+// nothing, so GCC vectorises every loop without run-time alias checks (it gives up on six same-typed pointers
+// that may alias), and each chunk is read entirely before any of it is written.
 constexpr int64_t kChunk = 256;
 
 template <typename T>
@@ -231,37 +231,48 @@ FM_INLINE void store_chunk(const float* __restrict src, T* dst, int64_t m) {
 }
 
 template <Act A, bool kFma, typename T>
-FM_INLINE void fwd_span(const T* gate, const T* up, T* out, int64_t n) {
-  alignas(64) float g[kChunk], u[kChunk];
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - c0);
-    load_chunk(gate + c0, g, m);
-    load_chunk(up + c0, u, m);
-    for (int64_t i = 0; i < m; ++i) g[i] = act_fwd<A, kFma>(g[i]) * u[i];
-    store_chunk(g, out + c0, m);
-  }
+FM_INLINE void fwd_span(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t n) {
+  // out is always a fresh tensor: no aliasing, so one fused loop (no scratch round trip).
+  for (int64_t i = 0; i < n; ++i) store(out + i, act_fwd<A, kFma>(load(gate[i])) * load(up[i]));
 }
 
 // dgate = dh * up * act'(gate), dup = dh * act(gate) and, when kWriteH, h = act(gate) * up.
+// In place (kWriteH: h_out == dh, dgate == gate, dup == up) through the fp32 scratch chunks; out of place (fresh
+// dgate/dup, nothing aliases) as one fused loop.
 template <Act A, bool kFma, bool kWriteH, typename T, typename TD>
 FM_INLINE void bwd_span(const TD* dh, const T* gate, const T* up, TD* h_out, T* dgate, T* dup, int64_t n) {
-  alignas(64) float d[kChunk], g[kChunk], u[kChunk];
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - c0);
-    load_chunk(dh + c0, d, m);
-    load_chunk(gate + c0, g, m);
-    load_chunk(up + c0, u, m);
-    for (int64_t i = 0; i < m; ++i) {
+  if constexpr (!kWriteH) {
+    const TD* __restrict d_ = dh;
+    const T* __restrict g_ = gate;
+    const T* __restrict u_ = up;
+    T* __restrict dg_ = dgate;
+    T* __restrict du_ = dup;
+    for (int64_t i = 0; i < n; ++i) {
+      const float dv = load(d_[i]), uv = load(u_[i]);
       float a, da;
-      act_fwd_bwd<A, kFma>(g[i], a, da);
-      const float dv = d[i], uv = u[i];
-      d[i] = a * uv;        // h
-      g[i] = dv * uv * da;  // dgate
-      u[i] = dv * a;        // dup
+      act_fwd_bwd<A, kFma>(load(g_[i]), a, da);
+      store(dg_ + i, dv * uv * da);
+      store(du_ + i, dv * a);
     }
-    if constexpr (kWriteH) store_chunk(d, h_out + c0, m);
-    store_chunk(g, dgate + c0, m);
-    store_chunk(u, dup + c0, m);
+  } else {
+    alignas(64) float d[kChunk], g[kChunk], u[kChunk];
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - c0);
+      load_chunk(dh + c0, d, m);
+      load_chunk(gate + c0, g, m);
+      load_chunk(up + c0, u, m);
+      for (int64_t i = 0; i < m; ++i) {
+        float a, da;
+        act_fwd_bwd<A, kFma>(g[i], a, da);
+        const float dv = d[i], uv = u[i];
+        d[i] = a * uv;        // h
+        g[i] = dv * uv * da;  // dgate
+        u[i] = dv * a;        // dup
+      }
+      store_chunk(d, h_out + c0, m);
+      store_chunk(g, dgate + c0, m);
+      store_chunk(u, dup + c0, m);
+    }
   }
 }
 
