@@ -322,6 +322,12 @@ def test_bad_inputs_raise_clear_errors(fm):
         fm._ops.ops.geglu_fwd(g, g, "relu")
     with pytest.raises(RuntimeError, match="dh must be float32 or gate's dtype"):
         fm._ops.ops.geglu_bwd(g.half(), g.bfloat16(), g.bfloat16(), "silu")
+    # The in-place backward refuses buffers that share memory (an expanded dh, gate aliasing up).
+    with pytest.raises(RuntimeError, match="overlap|single memory location"):
+        fm._ops.ops.geglu_bwd_(torch.zeros(8).expand(4, 8), g.clone(), g.clone(), "silu")
+    with pytest.raises(RuntimeError, match="overlap|single memory location"):
+        same = g.clone()
+        fm._ops.ops.geglu_bwd_(torch.zeros(4, 8), same, same, "silu")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")

@@ -229,6 +229,28 @@ def test_mixed_dtypes_behave_like_the_module(fm, device):
     for a, b in zip(gp, gps):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+    # Inference under autocast (no autograd node; F.linear casts, as in the module).
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y, ys = ours(x), ref(x)
+    assert y.dtype == ys.dtype == torch.bfloat16 and y.grad_fn is None
+    assert_2x_rule(y, y32.detach().bfloat16(), ys)
+
+
+def test_fp32_gradient_at_a_bf16_output(fm, device):
+    """y.float() downstream: an fp32 gradient reaches the bf16 MLP output (declared uncast); the result matches
+    the module fed the same gradient."""
+    ref, ours, ref32 = build("qwen3", device, torch.bfloat16, kernels.Mode.TRAINING)
+    x = torch.randn(7, H, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(7, H, device=device)
+    grads = []
+    for model in (ours, ref):
+        xg = x.clone().requires_grad_()
+        model(xg).float().backward(dy)
+        grads.append(xg.grad)
+    x32 = x.float().requires_grad_()
+    ref32(x32).backward(dy)
+    assert grads[0].dtype == torch.bfloat16
+    assert_2x_rule(grads[0], x32.grad.bfloat16(), grads[1])
 
 
 def test_compile_kernelized_fullgraph_no_recompiles(fm, device):

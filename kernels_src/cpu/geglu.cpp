@@ -16,6 +16,7 @@
 //   SiLU                silu(x) = x * sigmoid(x), silu'(x) = sigmoid(x) + x * sigmoid'(x).
 // Each loop is compiled twice: baseline x86-64 (SSE2) and AVX2+FMA, picked once at run time.
 #include <ATen/Parallel.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -456,5 +457,11 @@ void geglu_bwd_inplace_cpu(const at::Tensor& dh, const at::Tensor& gate, const a
   const Act act = parse_activation(std::string_view(activation.data(), activation.size()));
   check_pair(gate, up);
   check_dh(dh, gate);
+  // Each element is read, then its three results are written by the same thread: safe only when no two
+  // elements share memory (no expanded/overlapping views) and the three buffers are disjoint.
+  for (const at::Tensor* t : {&dh, &gate, &up}) at::assert_no_internal_overlap(*t);
+  at::assert_no_overlap(dh, gate);
+  at::assert_no_overlap(dh, up);
+  at::assert_no_overlap(gate, up);
   run_bwd<true>(act, dh, gate, up, dh, gate, up);
 }

@@ -18,6 +18,7 @@
 //               forward, whose budget at full bandwidth is ~47); derivative Phi(x) + x phi(x),
 //               phi(x) = expf(-x^2/2)/sqrt(2pi).
 //   SiLU:       x * sigmoid(x); derivative sigmoid(x) + x sigmoid'(x).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
 
@@ -431,5 +432,11 @@ void geglu_bwd_inplace_cuda(const at::Tensor& dh, const at::Tensor& gate, const 
   const Act act = parse_activation(activation);
   check_pair(gate, up);
   check_dh(dh, gate);
+  // Each element is read, then its three results are written by the same thread: safe only when no two
+  // elements share memory (no expanded/overlapping views) and the three buffers are disjoint.
+  for (const at::Tensor* t : {&dh, &gate, &up}) at::assert_no_internal_overlap(*t);
+  at::assert_no_overlap(dh, gate);
+  at::assert_no_overlap(dh, up);
+  at::assert_no_overlap(gate, up);
   run_bwd<true>(act, dh, gate, up, dh, gate, up);
 }

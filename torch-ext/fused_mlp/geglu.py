@@ -121,8 +121,9 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "tanh") ->
     """``gelu(gate, approximate=approximate) * up`` in one pass, fp32 math, one rounding.
 
     Args:
-        gate, up: ``[..., I]``, one shape, one dtype (float32/float16/bfloat16), one device; unit stride along
-            ``I`` (any row stride, e.g. ``gate, up = x.chunk(2, -1)``).
+        gate, up: ``[..., I]``, one shape, one dtype (float32/float16/bfloat16), one device. Rows with unit
+            stride along ``I`` are read in place whatever their row stride (``gate, up = x.chunk(2, -1)`` costs
+            no copy); other layouts are copied first.
         approximate: ``"tanh"`` (``gelu_pytorch_tanh``, Gemma) or ``"none"`` (exact erf GeLU).
     """
     activation = _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
@@ -221,24 +222,25 @@ def _autocast_on(x: torch.Tensor) -> bool:
 
 def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, autocast: bool) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
-    if autocast:
-        # Cast once, outside the autograd Function (the casts are differentiable: fp32 master weights get fp32
-        # grads), exactly as autocast would cast each F.linear; backward then runs in one dtype.
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, w_gate, w_up, w_down = x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
-        b_gate = b_gate.to(dtype) if b_gate is not None else None
-        b_up = b_up.to(dtype) if b_up is not None else None
-        b_down = b_down.to(dtype) if b_down is not None else None
     if torch.is_grad_enabled() and (
         x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad
         or (b_gate is not None and b_gate.requires_grad) or (b_up is not None and b_up.requires_grad)
         or (b_down is not None and b_down.requires_grad)
     ):
+        if autocast:
+            # Cast once, outside the autograd Function, as autocast casts each F.linear's operands; the casts
+            # are differentiable (fp32 master weights get fp32 grads) and backward runs in one dtype.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w_gate, w_up, w_down = x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
+            b_gate = b_gate.to(dtype) if b_gate is not None else None
+            b_up = b_up.to(dtype) if b_up is not None else None
+            b_down = b_down.to(dtype) if b_down is not None else None
         lead = x.shape[:-1]
         y = _GatedMLPFunction.apply(x.reshape(-1, x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down, b_down,
                                     activation)
         return y.view(*lead, y.shape[-1])
     # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
+    # Under autocast, F.linear casts its operands itself (with autocast's weight-cast cache), as in the module.
     return F.linear(ops.geglu_fwd(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down, b_down)
 
 

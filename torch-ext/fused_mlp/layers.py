@@ -87,7 +87,7 @@ def _plain_linear(m) -> bool:
         type(m) is nn.Linear
         and not m._forward_hooks
         and not m._forward_pre_hooks
-        and type(m._parameters["weight"]) in (nn.Parameter, torch.Tensor)
+        and type(m._parameters.get("weight")) in (nn.Parameter, torch.Tensor)
     )
 
 
