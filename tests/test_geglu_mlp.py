@@ -11,10 +11,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from _utils import FLOOR, assert_2x_rule
+from _utils import assert_2x_rule
 from conftest import CUDA, ROOT
+from torch import nn
 
 kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
@@ -24,7 +23,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3TextConf
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3MLP  # noqa: E402
 
-H, I = 64, 160
+H, I = 64, 160  # noqa: E741 (hidden, intermediate: the papers' names)
 # transformers does not decorate its MLPs: opt them in (this only tags the classes for kernelize).
 for _cls in (GemmaMLP, Gemma2MLP, Gemma3MLP, LlamaMLP, Qwen3MLP):
     kernels.replace_kernel_forward_from_hub(_cls, "GeGLUMLP")
@@ -255,7 +254,9 @@ def test_fp32_gradient_at_a_bf16_output(fm, device):
 
 def test_compile_kernelized_fullgraph_no_recompiles(fm, device):
     torch._dynamo.reset()
-    for mode in (kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE, kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE):
+    compile_modes = (kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE,
+                     kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE)
+    for mode in compile_modes:
         ref, ours, _ = build("gemma", device, torch.float32, mode)
         graphs = []
 
