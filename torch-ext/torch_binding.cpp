@@ -37,6 +37,20 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("addmm_fwd", c10::kCUDA, &addmm_fwd_cuda);
   ops.impl("addmm_bwd", c10::kCUDA, &addmm_bwd_cuda);
 #endif
+
+  // Gated activations. activation: "gelu_tanh" | "gelu" | "silu". geglu_bwd_ mutates all three arguments
+  // (h into dh, dgate into gate, dup into up); the alias annotations let torch.compile functionalize it.
+  ops.def("geglu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
+  ops.def("geglu_bwd(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");
+  ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");
+  ops.impl("geglu_fwd", c10::kCPU, &geglu_fwd_cpu);
+  ops.impl("geglu_bwd", c10::kCPU, &geglu_bwd_cpu);
+  ops.impl("geglu_bwd_", c10::kCPU, &geglu_bwd_inplace_cpu);
+#if defined(CUDA_KERNEL)
+  ops.impl("geglu_fwd", c10::kCUDA, &geglu_fwd_cuda);
+  ops.impl("geglu_bwd", c10::kCUDA, &geglu_bwd_cuda);
+  ops.impl("geglu_bwd_", c10::kCUDA, &geglu_bwd_inplace_cuda);
+#endif
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

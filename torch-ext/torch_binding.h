@@ -61,3 +61,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
     const at::Tensor& dy, const std::optional<at::Tensor>& preact, const at::Tensor& mat1, const at::Tensor& mat2,
     int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, at::ScalarType db_dtype);
 #endif
+
+// ---- Gated activations (GeGLU / SwiGLU) ------------------------------------------------------------------
+#include <c10/util/string_view.h>
+
+// activation: "gelu_tanh" | "gelu" (erf) | "silu". gate, up, dh: [T, I], unit stride along I, any row stride.
+// fwd: h = act(gate) * up -> [T, I] contiguous, gate's dtype (gate and up share one dtype).
+// bwd: dgate = dh * up * act'(gate), dup = dh * act(gate) -> ([T, I], [T, I]) contiguous, gate's dtype;
+//      dh is float32 or gate's dtype. The activation is recomputed from gate, never stored.
+// bwd_ (in place, for the fused MLP whose gate/up are its own intermediates): writes h = act(gate) * up into
+//      dh's buffer, dgate into gate's buffer and dup into up's buffer (each element is read before it is written).
+at::Tensor geglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation);
+std::tuple<at::Tensor, at::Tensor> geglu_bwd_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                                                 c10::string_view activation);
+void geglu_bwd_inplace_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                           c10::string_view activation);
+
+#if defined(CUDA_KERNEL)
+at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation);
+std::tuple<at::Tensor, at::Tensor> geglu_bwd_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                                                  c10::string_view activation);
+void geglu_bwd_inplace_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view activation);
+#endif

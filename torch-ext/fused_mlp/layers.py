@@ -41,6 +41,99 @@ class GemmaRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, offset=1.0, out_dtype=x.dtype)
 
 
+# ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
+from .geglu import _GELU_APPROXIMATE, _autocast_on, _gated_mlp  # noqa: E402
+
+__all__ += ["GeGLUMLP"]
+
+# Activation modules recognised by (module, class name), exact type only (a subclass may override forward).
+# Checked against transformers 5.22.2's ACT2FN: "gelu_pytorch_tanh" -> GELUTanh (PytorchGELUTanh is its alias),
+# "gelu_new" -> NewGELUActivation, "gelu_fast" -> FastGELUActivation and AccurateGELUActivation (the tanh formula
+# written differently, the same function), "gelu" -> GELUActivation (erf; its `use_gelu_python` variant too),
+# "silu" -> SiLUActivation, "swish" -> nn.SiLU. "approx" = read the instance's `approximate` ("none" by default).
+_ACTIVATION_BY_CLASS = {
+    ("transformers.activations", "GELUTanh"): "gelu_tanh",
+    ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
+    ("transformers.activations", "NewGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "FastGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "AccurateGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "GELUActivation"): "approx",
+    ("torch.nn.modules.activation", "GELU"): "approx",
+    ("transformers.activations", "SiLUActivation"): "silu",
+    ("torch.nn.modules.activation", "SiLU"): "silu",
+}
+
+
+def _activation_kind(act) -> str | None:
+    """The kernel activation equal to `act`, or None when `act` is anything else (then the module's own math)."""
+    t = type(act)
+    kind = _ACTIVATION_BY_CLASS.get((t.__module__, t.__qualname__))
+    if kind == "approx":
+        approximate = getattr(act, "approximate", "none")
+        return _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+    if kind is None:
+        if act is torch.nn.functional.silu:
+            return "silu"
+        if act is torch.nn.functional.gelu:
+            return "gelu"
+    return kind
+
+
+def _plain_linear(m) -> bool:
+    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no tensor-subclass weight
+    (quantised, DTensor, ...). Anything else keeps the module's own math. (Dict reads, not attribute reads:
+    nn.Module.__getattr__ costs about a microsecond each, and decode runs this per layer per token.)"""
+    return (
+        type(m) is nn.Linear
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and type(m._parameters.get("weight")) in (nn.Parameter, torch.Tensor)
+    )
+
+
+class GeGLUMLP(nn.Module):
+    """Gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma/Gemma2/Gemma3 (tanh-GeLU), exact-GeLU
+    MLPs and Llama/Qwen/Mistral (SiLU: SwiGLU).
+
+    Reads ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear, bias optional) and ``act_fn``. The projections go
+    through cuBLAS, the activation and the product are one kernel (fp32 math, one rounding), and in training only
+    ``x``, ``gate`` and ``up`` are kept for backward. Any other activation, a non-plain Linear (subclass, hooks,
+    quantised weights) or mixed dtypes outside autocast run the module's own math, with exactly its result.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mods = self._modules
+        gate_proj, up_proj, down_proj = mods.get("gate_proj"), mods.get("up_proj"), mods.get("down_proj")
+        act_fn = mods.get("act_fn")
+        if act_fn is None:
+            act_fn = self.act_fn  # a plain function attribute (F.silu, ...)
+        activation = _activation_kind(act_fn)
+        if (
+            activation is not None
+            and type(x) is torch.Tensor
+            and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
+        ):
+            gp, upp, dp = gate_proj._parameters, up_proj._parameters, down_proj._parameters
+            w_gate, w_up, w_down = gp["weight"], upp["weight"], dp["weight"]
+            b_gate, b_up, b_down = gp.get("bias"), upp.get("bias"), dp.get("bias")
+            dtype = x.dtype
+            autocast = _autocast_on(x)
+            if (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32) and (
+                autocast  # every operand is cast to the autocast dtype, as F.linear would cast it
+                or (
+                    w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
+                    and (b_gate is None or b_gate.dtype is dtype)
+                    and (b_up is None or b_up.dtype is dtype)
+                    and (b_down is None or b_down.dtype is dtype)
+                )
+            ):
+                return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 # ---- addmm / linear layers ------------------------------------------------------------------------------------
 
 from .addmm import addmm as _addmm  # noqa: E402

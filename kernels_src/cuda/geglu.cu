@@ -1,0 +1,442 @@
+// Gated activations on CUDA: h = act(gate) * up, act in {tanh-GeLU, erf-GeLU, SiLU}, and the backward.
+// gate, up, dh: [T, I] (unit stride along I, any row stride: e.g. the two halves of one [T, 2I] tensor);
+// outputs of the out-of-place ops are contiguous [T, I]. fp32 math, each output rounded once.
+//
+// Memory-bound elementwise kernels (bf16 fwd moves 6 bytes/element, bwd 10-12): a grid-stride loop over
+// "packs" of N elements. N = 16 bytes / sizeof(T) (8 for bf16/fp16, 4 for fp32) when every pointer is 16-byte
+// aligned and every row stride and I are multiples of N (the pack never straddles a row); otherwise N = 1 (the
+// scalar path: odd I, unaligned views). Each thread keeps U packs of every input in flight per iteration
+// (bf16 fwd: 2 x (16 + 16) B = 64 B; bwd with an fp32 dh: 2 x (32 + 16 + 16) B = 128 B). The grid is sized
+// to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no tail wave.
+// Numerics (the CPU file's formulas, with CUDA's accurate expf/erff):
+//   sigmoid(z): e = expf(-|z|) (never overflows), r = 1/(1+e), sigmoid = z >= 0 ? r : e*r,
+//               sigmoid'(z) = e*r*r (no cancellation on either side).
+//   tanh-GeLU:  x * sigmoid(2u), u = sqrt(2/pi)(x + 0.044715x^3); derivative sigmoid(2u) + x sigmoid'(2u) 2u'.
+//   erf-GeLU:   x * Phi(x), Phi(x) = 0.5 + 0.5 erff(x/sqrt2) as PyTorch computes it (erfcf(-x/sqrt2)/2 would keep
+//               relative accuracy in the x < -3 tail, where |gelu| < 4e-3, but costs ~2.5x erff's instructions
+//               and would make this path compute-bound: ~66 vs ~33 PTX instructions per element in the bf16
+//               forward, whose budget at full bandwidth is ~47); derivative Phi(x) + x phi(x),
+//               phi(x) = expf(-x^2/2)/sqrt(2pi).
+//   SiLU:       x * sigmoid(x); derivative sigmoid(x) + x sigmoid'(x).
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <string_view>
+#include <utility>
+
+#include "cuda/common.cuh"
+#include "torch_binding.h"
+
+namespace fused_mlp::cuda {
+namespace {
+
+enum class Act { kGeluTanh, kGeluErf, kSilu };
+
+Act parse_activation(c10::string_view s) {
+  const std::string_view v(s.data(), s.size());
+  if (v == "gelu_tanh") return Act::kGeluTanh;
+  if (v == "gelu") return Act::kGeluErf;
+  if (v == "silu") return Act::kSilu;
+  TORCH_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(v), "'");
+}
+
+// ---- tuning table (H200, sm_90). Confirm with benchmarks/ (activation kernel GB/s vs copy bandwidth). ------
+// kThreads = 256: 8 warps per block; the grid is capped at the resident block count, so the block size only sets
+//   the granularity of the grid-stride loop.
+// kUnroll = 2: packs per thread per iteration. Little's law on the H200: 4.8 TB/s x ~0.8 us ~= 3.8 MB in flight
+//   ~= 29 KB per SM; 64-128 B per thread needs >= 512 resident threads per SM, far below what these kernels
+//   (<= 64 registers per thread) get.
+constexpr int kThreads = 256;
+constexpr int kUnroll = 2;
+
+// ---- activation math --------------------------------------------------------------------------------------
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kGeluTanhCubic = 0.044715f;
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+__device__ __forceinline__ void sigmoid_and_slope(float z, float& s, float& ds) {
+  const float e = expf(-fabsf(z));
+  const float r = __frcp_rn(1.0f + e);
+  const float er = e * r;
+  s = z >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
+  ds = er * r;
+}
+
+template <Act A>
+__device__ __forceinline__ float act_fwd(float x) {
+  if constexpr (A == Act::kGeluTanh) {
+    const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x * x, 1.0f);
+    float s, ds;
+    sigmoid_and_slope(z, s, ds);
+    return x * s;
+  } else if constexpr (A == Act::kGeluErf) {
+    return x * fmaf(0.5f, erff(x * kInvSqrt2), 0.5f);
+  } else {
+    float s, ds;
+    sigmoid_and_slope(x, s, ds);
+    return x * s;
+  }
+}
+
+template <Act A>
+__device__ __forceinline__ void act_fwd_bwd(float x, float& a, float& da) {
+  if constexpr (A == Act::kGeluTanh) {
+    const float x2 = x * x;
+    const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x2, 1.0f);
+    const float dz = 2.0f * kSqrt2OverPi * fmaf(3.0f * kGeluTanhCubic, x2, 1.0f);
+    float s, ds;
+    sigmoid_and_slope(z, s, ds);
+    a = x * s;
+    da = fmaf(x * ds, dz, s);
+  } else if constexpr (A == Act::kGeluErf) {
+    const float cdf = fmaf(0.5f, erff(x * kInvSqrt2), 0.5f);
+    const float pdf = expf(-0.5f * x * x) * kInvSqrt2Pi;
+    a = x * cdf;
+    da = fmaf(x, pdf, cdf);
+  } else {
+    float s, ds;
+    sigmoid_and_slope(x, s, ds);
+    a = x * s;
+    da = fmaf(x, ds, s);
+  }
+}
+
+// ---- packed loads/stores ------------------------------------------------------------------------------------
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// N elements of D at p as 16-byte accesses (vector path: N * sizeof(D) is a multiple of 16 and p is 16-byte
+// aligned) or as one scalar (N == 1).
+template <int N, typename D>
+__device__ __forceinline__ void load_pack(const D* p, float (&f)[N]) {
+  constexpr int kChunk = (N * sizeof(D) >= 16) ? static_cast<int>(16 / sizeof(D)) : N;
+#pragma unroll
+  for (int c = 0; c < N; c += kChunk) {
+    const Pack<D, kChunk> v = *reinterpret_cast<const Pack<D, kChunk>*>(p + c);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) f[c + j] = to_float(v.v[j]);
+  }
+}
+
+template <int N, typename D>
+__device__ __forceinline__ void store_pack(D* p, const float (&f)[N]) {
+  constexpr int kChunk = (N * sizeof(D) >= 16) ? static_cast<int>(16 / sizeof(D)) : N;
+#pragma unroll
+  for (int c = 0; c < N; c += kChunk) {
+    Pack<D, kChunk> v;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) v.v[j] = from_float<D>(f[c + j]);
+    *reinterpret_cast<Pack<D, kChunk>*>(p + c) = v;
+  }
+}
+
+// n / d for 32-bit n and a fixed d >= 1 by multiply-high (round-up method): s = ceil(log2 d),
+// m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s, with the sum taken in 64 bits.
+struct FastDiv {
+  uint32_t d, m, s;
+  explicit FastDiv(uint32_t divisor) : d(divisor), s(0) {
+    while ((uint64_t{1} << s) < divisor) ++s;
+    m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s) - divisor)) / divisor + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, m)) + n) >> s);
+  }
+};
+
+// ---- kernels ----------------------------------------------------------------------------------------------
+template <Act A, typename T, int N>
+__global__ void __launch_bounds__(kThreads) geglu_fwd_kernel(
+    const T* __restrict__ gate, int64_t gate_stride,  // [rows, cols], row stride in elements
+    const T* __restrict__ up, int64_t up_stride,      // [rows, cols]
+    T* __restrict__ out,                              // [rows, cols] contiguous
+    uint32_t n_packs, FastDiv packs_per_row) {        // n_packs = rows * cols / N < 2^31
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < n_packs; base += kUnroll * stride) {
+    float g[kUnroll][N], u[kUnroll][N];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t p = base + k * stride;
+      if (p < n_packs) {
+        const uint32_t row = packs_per_row.div(p);
+        const int64_t col = static_cast<int64_t>(p - row * packs_per_row.d) * N;
+        load_pack<N>(gate + row * gate_stride + col, g[k]);
+        load_pack<N>(up + row * up_stride + col, u[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t p = base + k * stride;
+      if (p < n_packs) {
+        float h[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) h[j] = act_fwd<A>(g[k][j]) * u[k][j];
+        store_pack<N>(out + static_cast<int64_t>(p) * N, h);
+      }
+    }
+  }
+}
+
+// Reads dh, gate, up; writes dgate = dh * up * act'(gate), dup = dh * act(gate) and (kWriteH) h = act(gate) * up.
+// In place the outputs alias the inputs element for element (h_out == dh, dgate == gate, dup == up): a thread
+// loads all of its elements before it stores any of them, and no other thread touches them; hence no
+// __restrict__ here.
+template <Act A, typename T, typename TD, int N, bool kWriteH>
+__global__ void __launch_bounds__(kThreads) geglu_bwd_kernel(
+    const TD* dh, int64_t dh_stride,        // [rows, cols] fp32 or T
+    const T* gate, int64_t gate_stride,     // [rows, cols]
+    const T* up, int64_t up_stride,         // [rows, cols]
+    TD* h_out, int64_t h_stride,            // [rows, cols] or null (kWriteH == false)
+    T* dgate, int64_t dgate_stride,         // [rows, cols]
+    T* dup, int64_t dup_stride,             // [rows, cols]
+    uint32_t n_packs, FastDiv packs_per_row) {
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < n_packs; base += kUnroll * stride) {
+    float d[kUnroll][N], g[kUnroll][N], u[kUnroll][N];
+    uint32_t rows[kUnroll];
+    int64_t cols[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t p = base + k * stride;
+      if (p < n_packs) {
+        rows[k] = packs_per_row.div(p);
+        cols[k] = static_cast<int64_t>(p - rows[k] * packs_per_row.d) * N;
+        load_pack<N>(dh + rows[k] * dh_stride + cols[k], d[k]);
+        load_pack<N>(gate + rows[k] * gate_stride + cols[k], g[k]);
+        load_pack<N>(up + rows[k] * up_stride + cols[k], u[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t p = base + k * stride;
+      if (p < n_packs) {
+        float hv[N], dg[N], du[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          float a, da;
+          act_fwd_bwd<A>(g[k][j], a, da);
+          hv[j] = a * u[k][j];
+          dg[j] = d[k][j] * u[k][j] * da;
+          du[j] = d[k][j] * a;
+        }
+        if constexpr (kWriteH) store_pack<N>(h_out + rows[k] * h_stride + cols[k], hv);
+        store_pack<N>(dgate + rows[k] * dgate_stride + cols[k], dg);
+        store_pack<N>(dup + rows[k] * dup_stride + cols[k], du);
+      }
+    }
+  }
+}
+
+// ---- host helpers -----------------------------------------------------------------------------------------
+int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) cached[device] = n;
+  return n;
+}
+
+// Blocks of kThreads that fit on the device at once for `kernel` (occupancy API, cached: it costs microseconds).
+int resident_blocks(const void* kernel, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find({kernel, device});
+    if (it != cache.end()) return it->second;
+  }
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const int blocks = std::max(1, per_sm) * sm_count(device);
+  std::lock_guard<std::mutex> lock(mu);
+  cache[{kernel, device}] = blocks;
+  return blocks;
+}
+
+int grid_for(const void* kernel, int device, uint32_t n_packs) {
+  const int64_t wanted = (static_cast<int64_t>(n_packs) + int64_t{kThreads} * kUnroll - 1) / (int64_t{kThreads} * kUnroll);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, device))));
+}
+
+// Row view of a tensor the ops accept: 2-D [rows, cols] with unit stride along cols and any row stride, or a
+// contiguous tensor of any rank (rows = all leading dims; geglu_fwd only: the inference path skips reshapes).
+int64_t n_cols(const at::Tensor& t) { return t.size(-1); }
+int64_t n_rows(const at::Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
+// The row stride the kernels use: any value for a single row (torch reports arbitrary strides for size-1 dims).
+int64_t row_stride(const at::Tensor& t) {
+  if (t.dim() != 2) return n_cols(t);
+  return t.size(0) > 1 ? t.stride(0) : 0;
+}
+
+// 16-byte accesses are legal for t: aligned base and a row stride that keeps every row aligned.
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 &&
+         (row_stride(t) * static_cast<int64_t>(t.element_size())) % 16 == 0;
+}
+
+// Splits the rows so that each launch indexes < 2^31 packs in 32-bit arithmetic.
+template <typename F>
+void for_row_chunks(int64_t rows, int64_t packs_per_row, F&& f) {
+  constexpr int64_t kMaxPacks = (int64_t{1} << 31) - 1;
+  TORCH_CHECK(packs_per_row <= kMaxPacks, "fused_mlp: rows of ", packs_per_row, " packs are too long");
+  const int64_t chunk = std::max<int64_t>(1, kMaxPacks / packs_per_row);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
+}
+
+template <typename F>
+void dispatch_act(Act a, F&& f) {
+  switch (a) {
+    case Act::kGeluTanh: f(std::integral_constant<Act, Act::kGeluTanh>{}); break;
+    case Act::kGeluErf: f(std::integral_constant<Act, Act::kGeluErf>{}); break;
+    case Act::kSilu: f(std::integral_constant<Act, Act::kSilu>{}); break;
+  }
+}
+
+void check_rows_cuda(const at::Tensor& t, const char* name, bool allow_nd = false) {
+  TORCH_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor, got ", t.device());
+  if (allow_nd && t.dim() != 2) {
+    TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
+    return;
+  }
+  TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
+  TORCH_CHECK(t.numel() == 0 || t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name,
+              " must have unit stride along cols");
+}
+
+void check_pair(const at::Tensor& gate, const at::Tensor& up, bool allow_nd = false) {
+  check_rows_cuda(gate, "gate", allow_nd);
+  check_rows_cuda(up, "up", allow_nd);
+  TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
+              " != up dtype ", up.scalar_type());
+  TORCH_CHECK(gate.device() == up.device(), "fused_mlp: gate and up must be on one device");
+}
+
+void check_dh(const at::Tensor& dh, const at::Tensor& gate) {
+  check_rows_cuda(dh, "dh");
+  TORCH_CHECK(dh.sizes() == gate.sizes(), "fused_mlp: dh shape ", dh.sizes(), " != gate shape ", gate.sizes());
+  TORCH_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == at::kFloat,
+              "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());
+  TORCH_CHECK(dh.device() == gate.device(), "fused_mlp: dh and gate must be on one device");
+}
+
+template <typename T>
+const T* cptr(const at::Tensor& t, int64_t r0) {
+  return static_cast<const T*>(t.const_data_ptr()) + r0 * row_stride(t);
+}
+template <typename T>
+T* mptr(const at::Tensor& t, int64_t r0) {
+  return static_cast<T*>(t.data_ptr()) + r0 * row_stride(t);
+}
+
+template <Act A, typename T, int N>
+void launch_fwd(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out, int device,
+                cudaStream_t stream) {
+  const int64_t rows = n_rows(gate), packs_per_row = n_cols(gate) / N;
+  auto kernel = geglu_fwd_kernel<A, T, N>;
+  for_row_chunks(rows, packs_per_row, [&](int64_t r0, int64_t nr) {
+    const auto n_packs = static_cast<uint32_t>(nr * packs_per_row);
+    const int grid = grid_for(reinterpret_cast<const void*>(kernel), device, n_packs);
+    kernel<<<grid, kThreads, 0, stream>>>(cptr<T>(gate, r0), row_stride(gate), cptr<T>(up, r0), row_stride(up),
+                                          mptr<T>(out, r0), n_packs, FastDiv(static_cast<uint32_t>(packs_per_row)));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+template <bool kWriteH>
+void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& h_out,
+             const at::Tensor& dgate, const at::Tensor& dup) {
+  const int64_t rows = gate.size(0), cols = gate.size(1);
+  if (rows == 0 || cols == 0) return;
+  c10::cuda::CUDAGuard guard(gate.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int device = gate.get_device();
+  dispatch_act(act, [&](auto ac) {
+    constexpr Act A = decltype(ac)::value;
+    dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {
+      using T = decltype(tt);
+      dispatch_base_or_float<T>(dh.scalar_type(), "dh", [&](auto dt) {
+        using TD = decltype(dt);
+        constexpr int kVec = static_cast<int>(16 / sizeof(T));
+        const bool vec = cols % kVec == 0 && aligned16(dh) && aligned16(gate) && aligned16(up) &&
+                         aligned16(dgate) && aligned16(dup) && (!kWriteH || aligned16(h_out));
+        auto launch = [&](auto n_tag) {
+          constexpr int N = decltype(n_tag)::value;
+          const int64_t packs_per_row = cols / N;
+          auto kernel = geglu_bwd_kernel<A, T, TD, N, kWriteH>;
+          for_row_chunks(rows, packs_per_row, [&](int64_t r0, int64_t nr) {
+            const auto n_packs = static_cast<uint32_t>(nr * packs_per_row);
+            const int grid = grid_for(reinterpret_cast<const void*>(kernel), device, n_packs);
+            kernel<<<grid, kThreads, 0, stream>>>(
+                cptr<TD>(dh, r0), row_stride(dh), cptr<T>(gate, r0), row_stride(gate), cptr<T>(up, r0),
+                row_stride(up), kWriteH ? mptr<TD>(h_out, r0) : nullptr, kWriteH ? row_stride(h_out) : 0,
+                mptr<T>(dgate, r0), row_stride(dgate), mptr<T>(dup, r0), row_stride(dup), n_packs,
+                FastDiv(static_cast<uint32_t>(packs_per_row)));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        };
+        if (vec) launch(std::integral_constant<int, kVec>{});
+        else launch(std::integral_constant<int, 1>{});
+      });
+    });
+  });
+}
+
+}  // namespace
+}  // namespace fused_mlp::cuda
+
+using namespace fused_mlp::cuda;
+
+at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+  const Act act = parse_activation(activation);
+  check_pair(gate, up, /*allow_nd=*/true);
+  c10::cuda::CUDAGuard guard(gate.device());
+  const int64_t rows = n_rows(gate), cols = n_cols(gate);
+  auto out = at::empty(gate.sizes(), gate.options());
+  if (rows == 0 || cols == 0) return out;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int device = gate.get_device();
+  dispatch_act(act, [&](auto ac) {
+    constexpr Act A = decltype(ac)::value;
+    dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {
+      using T = decltype(tt);
+      constexpr int kVec = static_cast<int>(16 / sizeof(T));
+      // `out` is fresh (aligned, stride cols): the vector path needs I % kVec == 0 and aligned inputs.
+      if (cols % kVec == 0 && aligned16(gate) && aligned16(up)) launch_fwd<A, T, kVec>(gate, up, out, device, stream);
+      else launch_fwd<A, T, 1>(gate, up, out, device, stream);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> geglu_bwd_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                                                  c10::string_view activation) {
+  const Act act = parse_activation(activation);
+  check_pair(gate, up);
+  check_dh(dh, gate);
+  c10::cuda::CUDAGuard guard(gate.device());
+  auto dgate = at::empty(gate.sizes(), gate.options());
+  auto dup = at::empty(gate.sizes(), gate.options());
+  run_bwd<false>(act, dh, gate, up, at::Tensor(), dgate, dup);
+  return {dgate, dup};
+}
+
+void geglu_bwd_inplace_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view activation) {
+  const Act act = parse_activation(activation);
+  check_pair(gate, up);
+  check_dh(dh, gate);
+  // Each element is read, then its three results are written by the same thread: safe only when no two
+  // elements share memory (no expanded/overlapping views) and the three buffers are disjoint.
+  for (const at::Tensor* t : {&dh, &gate, &up}) at::assert_no_internal_overlap(*t);
+  at::assert_no_overlap(dh, gate);
+  at::assert_no_overlap(dh, up);
+  at::assert_no_overlap(gate, up);
+  run_bwd<true>(act, dh, gate, up, dh, gate, up);
+}

@@ -1,0 +1,443 @@
+"""The gated MLP: ``gated_mlp`` (fused activation between cuBLAS projections, custom autograd that saves x, gate,
+up only and reuses their buffers in backward) and the ``GeGLUMLP`` layer swapped into the real transformers
+modules (Gemma, Gemma2, Gemma3, Llama, Qwen3) with ``kernels.kernelize``: inference and training, every
+activation, biases, autocast, fallbacks that give exactly the module's result, torch.compile without
+recompiles, saved-tensor accounting, retain_graph, checkpointing and (CUDA) peak memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _utils import assert_2x_rule
+from conftest import CUDA, ROOT
+from torch import nn
+
+kernels = pytest.importorskip("kernels")
+transformers = pytest.importorskip("transformers")
+from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP  # noqa: E402
+from transformers.models.gemma2.modeling_gemma2 import Gemma2Config, Gemma2MLP  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3TextConfig  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3MLP  # noqa: E402
+
+H, I = 64, 160  # noqa: E741 (hidden, intermediate: the papers' names)
+# transformers does not decorate its MLPs: opt them in (this only tags the classes for kernelize).
+for _cls in (GemmaMLP, Gemma2MLP, Gemma3MLP, LlamaMLP, Qwen3MLP):
+    kernels.replace_kernel_forward_from_hub(_cls, "GeGLUMLP")
+
+MODELS = {
+    "gemma": lambda: GemmaMLP(GemmaConfig(hidden_size=H, intermediate_size=I, hidden_act="gelu_pytorch_tanh")),
+    "gemma2": lambda: Gemma2MLP(Gemma2Config(hidden_size=H, intermediate_size=I,
+                                             hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": lambda: Gemma3MLP(Gemma3TextConfig(hidden_size=H, intermediate_size=I,
+                                                 hidden_activation="gelu_pytorch_tanh")),
+    "llama": lambda: LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I, hidden_act="silu")),
+    "llama_bias": lambda: LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I, hidden_act="silu",
+                                               mlp_bias=True)),
+    "qwen3": lambda: Qwen3MLP(Qwen3Config(hidden_size=H, intermediate_size=I, hidden_act="silu")),
+    "erf_gelu_bias": lambda: LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I, hidden_act="gelu",
+                                                  mlp_bias=True)),
+    "gelu_new": lambda: GemmaMLP(GemmaConfig(hidden_size=H, intermediate_size=I, hidden_act="gelu_new")),
+}
+# Activations the kernel does not have: the layer must run the module's own math, bit for bit.
+FALLBACK_MODELS = {
+    "relu": lambda: LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I, hidden_act="relu")),
+    "quick_gelu": lambda: GemmaMLP(GemmaConfig(hidden_size=H, intermediate_size=I, hidden_act="quick_gelu")),
+}
+EXPECTED_KIND = {"gemma": "gelu_tanh", "gemma2": "gelu_tanh", "gemma3": "gelu_tanh", "llama": "silu",
+                 "llama_bias": "silu", "qwen3": "silu", "erf_gelu_bias": "gelu", "gelu_new": "gelu_tanh"}
+
+
+class Wrap(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def build(name: str, device: str, dtype: torch.dtype, mode, seed: int = 0):
+    """(reference module, the same weights kernelized, fp32 copy of the reference)."""
+    torch.manual_seed(seed)
+    factory = MODELS.get(name) or FALLBACK_MODELS[name]
+    ref = Wrap(factory())
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.15)
+    ref32 = copy.deepcopy(ref).to(device=device, dtype=torch.float32)
+    ref = ref.to(device=device, dtype=dtype)
+    ours = copy.deepcopy(ref)
+    mapping = {"GeGLUMLP": {device: kernels.LocalLayerRepository(repo_path=ROOT, layer_name="GeGLUMLP")}}
+    with kernels.use_kernel_mapping(mapping):
+        # use_fallback: the activation modules are tagged too ("GeluTanh", "SiLU"): they keep their forward.
+        kernels.kernelize(ours, mode=mode, device=device, use_fallback=True)
+    return ref, ours, ref32
+
+
+def floor_for(t: torch.Tensor) -> float | None:
+    if t.dtype == torch.float32:  # both sides are fp32 GEMMs + activations: allow reassociation-level noise
+        return 1e-5 * max(1.0, t.abs().max().item())
+    return None
+
+
+# ---- the layer itself ---------------------------------------------------------------------------------------
+
+
+def test_layer_follows_the_kernels_layer_contract(fm):
+    cls = fm.layers.GeGLUMLP
+    assert issubclass(cls, nn.Module) and cls.__init__ is nn.Module.__init__
+    assert cls.has_backward is True and cls.can_torch_compile is True
+    extra = {n for n in dir(cls)} - {n for n in dir(nn.Module)}
+    assert extra <= {"forward", "has_backward", "can_torch_compile"}, extra
+
+
+def test_activation_dispatch_matches_transformers_act2fn(fm):
+    from transformers.activations import ACT2FN
+
+    kind = fm.layers._activation_kind
+    expected = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                "gelu": "gelu", "gelu_python": "gelu", "silu": "silu", "swish": "silu",
+                "relu": None, "quick_gelu": None, "gelu_10": None, "tanh": None, "sigmoid": None}
+    for name, want in expected.items():
+        assert kind(ACT2FN[name]) == want, name
+    assert kind(nn.GELU()) == "gelu" and kind(nn.GELU(approximate="tanh")) == "gelu_tanh"
+    assert kind(nn.SiLU()) == "silu" and kind(F.silu) == "silu" and kind(F.gelu) == "gelu"
+
+    class MyGELU(nn.GELU):  # a subclass may change forward: not trusted
+        pass
+
+    assert kind(MyGELU()) is None and kind(lambda t: t) is None
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kernelize_swaps_the_forward(fm, name):
+    _, ours, _ = build(name, "cpu", torch.float32, kernels.Mode.INFERENCE)
+    fwd = ours.mlp.forward.__func__
+    assert fwd.__qualname__ == "GeGLUMLP.forward" and fwd.__module__.endswith(".layers")
+    assert fm.layers._activation_kind(ours.mlp.act_fn) == EXPECTED_KIND[name]
+
+
+# ---- against the real modules ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_inference_matches_module(fm, device, name, dtype):
+    ref, ours, ref32 = build(name, device, dtype, kernels.Mode.INFERENCE)
+    x = torch.randn(3, 11, H, device=device, dtype=dtype)
+    with torch.no_grad():
+        out = ours(x)
+        same = ref(x)
+        r32 = ref32(x.float()).to(dtype)
+    assert out.grad_fn is None
+    assert_2x_rule(out, r32, same, floor=floor_for(r32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_matches_module(fm, device, name, dtype):
+    ref, ours, ref32 = build(name, device, dtype, kernels.Mode.TRAINING)
+    x = torch.randn(2, 37, H, device=device, dtype=dtype)
+    dy = torch.randn(2, 37, H, device=device, dtype=dtype)
+    results = []
+    for model, xin in ((ours, x), (ref, x), (ref32, x.float())):
+        xg = xin.detach().clone().requires_grad_()
+        y = model(xg)
+        y.backward(dy.to(y.dtype))
+        grads = {"x": xg.grad} | {n: p.grad for n, p in model.named_parameters()}
+        results.append((y.detach(), grads))
+    (y, g), (ys, gs), (y32, g32) = results
+    assert_2x_rule(y, y32.to(dtype), ys, name="y", floor=floor_for(y32))
+    assert set(g) == set(gs)
+    for k in g:
+        assert g[k].dtype == gs[k].dtype
+        assert_2x_rule(g[k], g32[k].to(dtype), gs[k], name=f"d{k}", floor=floor_for(g32[k]))
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("name", list(FALLBACK_MODELS))
+def test_other_activations_run_the_module_math_exactly(fm, device, name, mode):
+    m = kernels.Mode.INFERENCE if mode == "inference" else kernels.Mode.TRAINING
+    ref, ours, _ = build(name, device, torch.bfloat16, m)
+    x = torch.randn(5, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ours(x), ref(x2)
+    assert torch.equal(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_hooks_and_unplain_linears_fall_back(fm, device):
+    ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.TRAINING)
+    x = torch.randn(4, H, device=device)
+
+    def double(mod, inp, out):
+        return out * 2
+
+    h1 = ours.mlp.gate_proj.register_forward_hook(double)
+    h2 = ref.mlp.gate_proj.register_forward_hook(double)
+    assert torch.equal(ours(x), ref(x))  # the hook ran: the module's own math
+    h1.remove()
+    h2.remove()
+
+    class MyLinear(nn.Linear):
+        def forward(self, t):
+            return super().forward(t) + 1.0
+
+    for model in (ours, ref):
+        old = model.mlp.up_proj
+        model.mlp.up_proj = MyLinear(old.in_features, old.out_features, bias=False, device=device)
+        model.mlp.up_proj.weight.data.copy_(old.weight)
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_mixed_dtypes_behave_like_the_module(fm, device):
+    """fp32 weights with bf16 activations: outside autocast the module raises (F.linear needs one dtype) and so
+    does the layer, with the module's own error; under autocast both compute in bf16 and return bf16, and the
+    fp32 master weights get fp32 gradients."""
+    ref, ours, ref32 = build("gemma", device, torch.float32, kernels.Mode.TRAINING)
+    xb = torch.randn(6, H, device=device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError) as e_ref:
+        ref(xb)
+    with pytest.raises(RuntimeError) as e_ours:
+        ours(xb)
+    assert str(e_ours.value) == str(e_ref.value)
+
+    x = torch.randn(6, H, device=device)
+    dy = torch.randn(6, H, device=device, dtype=torch.bfloat16)
+    outs = []
+    for model in (ours, ref):
+        model.zero_grad()
+        xg = x.clone().requires_grad_()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            y = model(xg)
+        y.backward(dy)
+        outs.append((y, xg.grad, [p.grad for p in model.parameters()]))
+    (y, gx, gp), (ys, gxs, gps) = outs
+    assert y.dtype == ys.dtype == torch.bfloat16
+    y32 = ref32(x)
+    assert_2x_rule(y, y32.bfloat16(), ys)
+    assert gx.dtype == gxs.dtype == torch.float32
+    for a, b in zip(gp, gps):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+    # Inference under autocast (no autograd node; F.linear casts, as in the module).
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y, ys = ours(x), ref(x)
+    assert y.dtype == ys.dtype == torch.bfloat16 and y.grad_fn is None
+    assert_2x_rule(y, y32.detach().bfloat16(), ys)
+
+
+def test_fp32_gradient_at_a_bf16_output(fm, device):
+    """y.float() downstream: an fp32 gradient reaches the bf16 MLP output (declared uncast); the result matches
+    the module fed the same gradient."""
+    ref, ours, ref32 = build("qwen3", device, torch.bfloat16, kernels.Mode.TRAINING)
+    x = torch.randn(7, H, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(7, H, device=device)
+    grads = []
+    for model in (ours, ref):
+        xg = x.clone().requires_grad_()
+        model(xg).float().backward(dy)
+        grads.append(xg.grad)
+    x32 = x.float().requires_grad_()
+    ref32(x32).backward(dy)
+    assert grads[0].dtype == torch.bfloat16
+    assert_2x_rule(grads[0], x32.grad.bfloat16(), grads[1])
+
+
+def test_compile_kernelized_fullgraph_no_recompiles(fm, device):
+    torch._dynamo.reset()
+    compile_modes = (kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE,
+                     kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE)
+    for mode in compile_modes:
+        ref, ours, _ = build("gemma", device, torch.float32, mode)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            graphs.append(gm.print_readable(print_output=False))  # nested graphs included
+            return compile_fx(gm, example_inputs)
+
+        compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend=backend)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for t in (1, 7, 64):
+                x = torch.randn(t, H, device=device, requires_grad=True)
+                torch._dynamo.decorators.mark_unbacked(x, 0)
+                y = compiled(x)
+                y.sum().backward()
+                x2 = x.detach().clone().requires_grad_()
+                y2 = ref(x2)
+                y2.sum().backward()
+                torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+                for p, q in zip(ours.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+                ours.zero_grad()
+                ref.zero_grad()
+        assert len(graphs) == 1 and "geglu_fwd" in graphs[0], graphs  # our op, not the module's math
+        torch._dynamo.reset()
+    # Inference (decode/prefill) under no_grad: the no-autograd path, one graph for every token count.
+    ref, ours, _ = build("llama_bias", device, torch.float32, kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE)
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for t in (1, 7, 64):
+            x = torch.randn(2, t, H, device=device)
+            torch._dynamo.decorators.mark_unbacked(x, 1)
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+# ---- the autograd path: what is saved, retain_graph, checkpointing, frozen parts -------------------------------
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the non-parameter tensors autograd saves while running fn()."""
+    params: set[int] = set()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter) and t.data_ptr() not in params:
+            params.add(t.data_ptr())  # count each buffer once (views of one buffer share it)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_saves_only_x_gate_up(fm):
+    """The memory design, checked on the CPU: the MLP keeps x, gate and up for backward (not h), i.e.
+    T*H + 2*T*I elements; the eager module keeps gate, gelu(gate), up and h as well (T*H + 4*T*I)."""
+    ref, ours, _ = build("gemma", "cpu", torch.bfloat16, kernels.Mode.TRAINING)
+    t = 50
+    x = torch.randn(t, H, dtype=torch.bfloat16, requires_grad=True)
+    ours_b = saved_bytes(lambda: ours(x))
+    ref_b = saved_bytes(lambda: ref(x))
+    assert ours_b == 2 * (t * H + 2 * t * I)
+    assert ref_b >= 2 * (t * H + 4 * t * I)
+
+
+def test_retain_graph_backward_twice(fm, device):
+    ref, ours, _ = build("llama_bias", device, torch.float32, kernels.Mode.TRAINING)
+    x = torch.randn(9, H, device=device, requires_grad=True)
+    y = ours(x)
+    g1 = torch.autograd.grad(y.square().sum(), [x, *ours.parameters()], retain_graph=True)
+    g2 = torch.autograd.grad(y.square().sum(), [x, *ours.parameters()])
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    x2 = x.detach().clone().requires_grad_()
+    g3 = torch.autograd.grad(ref(x2).square().sum(), [x2, *ref.parameters()])
+    for a, b in zip(g1, g3):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpointing_and_frozen_parts(fm, device):
+    from torch.utils.checkpoint import checkpoint
+
+    ref, ours, _ = build("erf_gelu_bias", device, torch.float32, kernels.Mode.TRAINING)
+    x = torch.randn(13, H, device=device, requires_grad=True)
+    for reentrant in (False, True):
+        ours.zero_grad()
+        ref.zero_grad()
+        x.grad = None
+        checkpoint(ours, x, use_reentrant=reentrant).sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        ref(x2).sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    # LoRA-style: frozen base weights, only the input needs a gradient; and the reverse.
+    for p in ours.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    x.grad = None
+    ours(x).sum().backward()
+    assert x.grad is not None and all(p.grad is None for p in ours.parameters())
+    ours.mlp.down_proj.weight.requires_grad_(True)
+    xd = x.detach()
+    ours(xd).sum().backward()
+    ref.zero_grad()
+    ref(xd).sum().backward()
+    torch.testing.assert_close(ours.mlp.down_proj.weight.grad, ref.mlp.down_proj.weight.grad, rtol=1e-4, atol=1e-4)
+    assert ours.mlp.gate_proj.weight.grad is None
+
+
+# ---- the functional API ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu", "silu"])
+def test_gated_mlp_function_vs_reference(fm, device, act):
+    torch.manual_seed(7)
+    dtype = torch.bfloat16
+    x = torch.randn(4, 9, H, device=device, dtype=dtype)
+    w = [torch.randn(I, H, device=device, dtype=dtype) * 0.1, torch.randn(I, H, device=device, dtype=dtype) * 0.1,
+         torch.randn(H, I, device=device, dtype=dtype) * 0.1]
+    b = [torch.randn(I, device=device, dtype=dtype), None, torch.randn(H, device=device, dtype=dtype)]
+    out = fm.gated_mlp(x, *w, *b, activation=act)
+    ref = fm.gated_mlp_reference(x, *w, *b, activation=act)
+    g = F.linear(x, w[0], b[0])
+    h = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none"))
+    same = F.linear(h * F.linear(x, w[1]), w[2], b[2])
+    assert_2x_rule(out, ref, same)
+
+
+def test_gated_mlp_bad_inputs(fm):
+    x = torch.randn(3, H)
+    wg, wu, wd = torch.randn(I, H), torch.randn(I, H), torch.randn(H, I)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fm.gated_mlp(x, wg, wu, wd, activation="relu")
+    with pytest.raises(ValueError, match="w_up must have w_gate's shape"):
+        fm.gated_mlp(x, wg, torch.randn(I + 1, H), wd)
+    with pytest.raises(ValueError, match="last dim"):
+        fm.gated_mlp(torch.randn(3, H + 1), wg, wu, wd)
+    with pytest.raises(ValueError, match="w_down must have shape"):
+        fm.gated_mlp(x, wg, wu, torch.randn(H, I + 2))
+    with pytest.raises(ValueError, match="b_up must have shape"):
+        fm.gated_mlp(x, wg, wu, wd, None, torch.randn(I + 1))
+    with pytest.raises(TypeError, match="share one dtype"):
+        fm.gated_mlp(x.bfloat16(), wg, wu, wd)
+    with pytest.raises(ValueError, match="one device"):
+        fm.gated_mlp(x, wg, wu, torch.empty(H, I, device="meta"))
+
+
+# ---- CUDA: peak memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")
+def test_training_peak_memory_below_eager(fm):
+    """fwd+bwd peak above the resident weights/inputs: ours keeps gate, up and one [T, I] buffer (dh, then h) in
+    backward; the eager module also keeps gelu(gate) and h, and materialises dgate/dup next to them."""
+    t, h, i = 4096, 1024, 4096
+    torch.manual_seed(0)
+    ref, ours, _ = build("gemma", "cuda", torch.bfloat16, kernels.Mode.TRAINING)
+    for model in (ref, ours):
+        model.mlp.gate_proj = nn.Linear(h, i, bias=False, device="cuda", dtype=torch.bfloat16)
+        model.mlp.up_proj = nn.Linear(h, i, bias=False, device="cuda", dtype=torch.bfloat16)
+        model.mlp.down_proj = nn.Linear(i, h, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+
+    def peak(model) -> int:
+        model(x).backward(dy)  # warm up: cuBLAS workspaces, .grad buffers exist from now on
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x).backward(dy)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    p_ours, p_ref = peak(ours), peak(ref)
+    ti, hi = t * i * 2, h * i * 2
+    assert p_ours < p_ref, (p_ours, p_ref)
+    # gate + up + (dh -> h) + one weight gradient in flight, plus small [T, H] tensors and cuBLAS slack.
+    assert p_ours <= 3 * ti + hi + 4 * t * h * 2 + (32 << 20), (p_ours, 3 * ti + hi)
