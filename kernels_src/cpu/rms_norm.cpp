@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -89,6 +90,15 @@ T* row_of_mut(const at::Tensor& t, int64_t r) {
   return static_cast<T*>(t.data_ptr()) + r * t.stride(0);
 }
 
+// [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
+// tensors here, so this never copies in practice).
+at::Tensor as_rows_view(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
+  return t.reshape({m, t.size(-1)});
+}
+
 // Rows per parallel task: ~32K elements of work per task keeps the pool busy without per-row overhead.
 int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)); }
 
@@ -101,8 +111,14 @@ constexpr int64_t kMaxDwChunks = 64;
 using namespace fused_mlp::cpu;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
     double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype) {
+  // [..., N] inputs are viewed as [M, N] rows here (a C++ view is far cheaper than a Python reshape); outputs
+  // take x's shape.
+  TORCH_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
+  const at::Tensor x = as_rows_view(x_in);
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() ? std::optional<at::Tensor>(as_rows_view(*residual_in)) : std::nullopt;
   check_rows(x, "x");
   const int64_t M = x.size(0), N = x.size(1);
   const at::ScalarType xt = x.scalar_type();
@@ -111,15 +127,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
   TORCH_CHECK(out_dtype == xt || out_dtype == at::kFloat, "fused_mlp: out_dtype must be x's dtype or float32");
   if (residual.has_value()) {
     check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "fused_mlp: residual shape ", residual->sizes(), " != x shape ",
-                x.sizes());
+    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "fused_mlp: residual shape ", residual_in->sizes(),
+                " != x shape ", x_in.sizes());
     TORCH_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype must equal residual_dtype");
   }
   if (weight.has_value())
     TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
                 "fused_mlp: weight must be contiguous [", N, "]");
-  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
-  auto h = residual.has_value() ? at::empty({M, N}, x.options().dtype(h_dtype)) : at::empty({0}, x.options());
+  auto y = at::empty(x_in.sizes(), x.options().dtype(out_dtype));
+  auto h = residual.has_value() ? at::empty(x_in.sizes(), x.options().dtype(h_dtype)) : at::empty({0}, x.options());
   auto rstd = at::empty({M}, x.options().dtype(at::kFloat));
   if (M == 0) return {y, h, rstd};
 

@@ -89,42 +89,55 @@ inline float ld1(const T* p) { return static_cast<float>(*p); }
 template <typename T>
 inline void st1(T* p, float v) { *p = static_cast<T>(v); }
 
+// Reductions over a row run in blocks of kBlock elements (vector accumulators), each block's sum added in
+// fp64: the error stays at the level of a 32-term fp32 sum for any N (a plain running sum over N = 65536
+// drifts by ~1e-6 relative, visible in fp32 outputs).
+constexpr int64_t kBlock = 256;
+
 // Forward of one row. x: [N] TX; res/h: [N] TH or null (h = round_TH(x + res) is written and normalised);
 // s: [N] (offset + w) fp32 or null; y: [N] TO. Returns rstd.
 template <typename TX, typename TH, typename TO>
 float fwd_row(const TX* x, const TH* res, TH* h, const float* s, TO* y, int64_t N, float eps) {
   const int64_t n8 = N - N % 8;
-  F8 a0 = zero8(), a1 = zero8();
+  double ss = 0.0;
+  for (int64_t b = 0; b < n8; b += kBlock) {
+    const int64_t e = std::min(n8, b + kBlock);
+    F8 a0 = zero8(), a1 = zero8();
+    if (res != nullptr) {
+      for (int64_t i = b; i < e; i += 8) {
+        store8(h + i, add(load8(x + i), load8(res + i)));
+        const F8 hv = load8(h + i);  // exactly the rounded residual stream value
+        a0 = fma(hv, hv, a0);
+      }
+    } else {
+      int64_t i = b;
+      for (; i + 16 <= e; i += 16) {
+        const F8 u = load8(x + i), v = load8(x + i + 8);
+        a0 = fma(u, u, a0);
+        a1 = fma(v, v, a1);
+      }
+      for (; i < e; i += 8) {
+        const F8 u = load8(x + i);
+        a0 = fma(u, u, a0);
+      }
+    }
+    ss += static_cast<double>(hsum(add(a0, a1)));
+  }
   float tail = 0.f;
   if (res != nullptr) {
-    for (int64_t i = 0; i < n8; i += 8) {
-      store8(h + i, add(load8(x + i), load8(res + i)));
-      const F8 hv = load8(h + i);  // exactly the rounded residual stream value
-      a0 = fma(hv, hv, a0);
-    }
     for (int64_t i = n8; i < N; ++i) {
       st1(h + i, ld1(x + i) + ld1(res + i));
       const float f = ld1(h + i);
       tail += f * f;
     }
   } else {
-    int64_t i = 0;
-    for (; i + 16 <= n8; i += 16) {
-      const F8 u = load8(x + i), v = load8(x + i + 8);
-      a0 = fma(u, u, a0);
-      a1 = fma(v, v, a1);
-    }
-    for (; i < n8; i += 8) {
-      const F8 u = load8(x + i);
-      a0 = fma(u, u, a0);
-    }
-    for (i = n8; i < N; ++i) {
+    for (int64_t i = n8; i < N; ++i) {
       const float f = ld1(x + i);
       tail += f * f;
     }
   }
-  const float ss = hsum(add(a0, a1)) + tail;
-  const float rs = 1.0f / std::sqrt(ss / static_cast<float>(N) + eps);
+  ss += static_cast<double>(tail);
+  const float rs = 1.0f / std::sqrt(static_cast<float>(ss) / static_cast<float>(N) + eps);
   const F8 rs8 = splat8(rs);
   auto emit = [&](const auto* src) {
     if (s != nullptr) {
@@ -150,14 +163,19 @@ void bwd_row(const TH* h, const TD* dy, float rs, const float* s, const TE* extr
              int64_t N) {
   const int64_t n8 = N - N % 8;
   const F8 rs8 = splat8(rs);
-  F8 d0 = zero8();
+  double dot = 0.0;
   float tail = 0.f;
-  for (int64_t i = 0; i < n8; i += 8) {
-    const F8 xhat = mul(load8(h + i), rs8);
-    const F8 d = load8(dy + i);
-    const F8 g = s != nullptr ? mul(d, load8(s + i)) : d;
-    d0 = fma(g, xhat, d0);
-    if (dw_acc != nullptr) store8(dw_acc + i, fma(d, xhat, load8(dw_acc + i)));
+  for (int64_t b = 0; b < n8; b += kBlock) {
+    const int64_t e = std::min(n8, b + kBlock);
+    F8 d0 = zero8();
+    for (int64_t i = b; i < e; i += 8) {
+      const F8 xhat = mul(load8(h + i), rs8);
+      const F8 d = load8(dy + i);
+      const F8 g = s != nullptr ? mul(d, load8(s + i)) : d;
+      d0 = fma(g, xhat, d0);
+      if (dw_acc != nullptr) store8(dw_acc + i, fma(d, xhat, load8(dw_acc + i)));
+    }
+    dot += static_cast<double>(hsum(d0));
   }
   for (int64_t i = n8; i < N; ++i) {
     const float xhat = ld1(h + i) * rs;
@@ -165,7 +183,7 @@ void bwd_row(const TH* h, const TD* dy, float rs, const float* s, const TE* extr
     tail += (s != nullptr ? d * s[i] : d) * xhat;
     if (dw_acc != nullptr) dw_acc[i] += d * xhat;
   }
-  const float c = (hsum(d0) + tail) / static_cast<float>(N);
+  const float c = static_cast<float>(dot + static_cast<double>(tail)) / static_cast<float>(N);
   const F8 c8 = splat8(c);
   for (int64_t i = 0; i < n8; i += 8) {
     const F8 xhat = mul(load8(h + i), rs8);

@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -867,17 +868,24 @@ struct DeviceInfo {
   int major = 0;
 };
 
+// Queried once per device and cached. (A mutex, not std::call_once: call_once binds pthread_once@GLIBC_2.34,
+// which breaks manylinux_2_28.)
 const DeviceInfo& device_info(int dev) {
   TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
   static DeviceInfo infos[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[dev], [dev] {
-    DeviceInfo d;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
-    infos[dev] = d;
-  });
+  static std::atomic<bool> ready[kMaxDevices];
+  static std::mutex mu;
+  if (!ready[dev].load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[dev].load(std::memory_order_relaxed)) {
+      DeviceInfo d;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+      infos[dev] = d;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
   return infos[dev];
 }
 
@@ -999,6 +1007,21 @@ bool rows_aligned16(const at::Tensor& t) {
   return (p & 15) == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
 }
 
+// A contiguous [M, N] output (any rank): base pointer and row pitch N * elem_size 16-byte aligned.
+bool out_rows_aligned16(const at::Tensor& t, int64_t M, int64_t N) {
+  const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return (p & 15) == 0 && (M <= 1 || (N * t.element_size()) % 16 == 0);
+}
+
+// [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
+// tensors here, so this never copies in practice).
+at::Tensor as_rows_view(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
+  return t.reshape({m, t.size(-1)});
+}
+
 bool ptr_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 void check_rows_cuda(const at::Tensor& t, const char* name, const at::Tensor& ref) {
@@ -1036,8 +1059,13 @@ void dispatch_int(int v, F&& f) {
 using namespace fused_mlp::cuda;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
     double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype) {
+  // [..., N] inputs are viewed as [M, N] rows here (cheap in C++); outputs take x's shape.
+  TORCH_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
+  const at::Tensor x = as_rows_view(x_in);
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() ? std::optional<at::Tensor>(as_rows_view(*residual_in)) : std::nullopt;
   check_rows_cuda(x, "x", x);
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
@@ -1049,8 +1077,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
   TORCH_CHECK(is_base_or_f32(out_dtype, xt), "fused_mlp: out_dtype must be x's dtype or float32, got ", out_dtype);
   if (residual.has_value()) {
     check_rows_cuda(*residual, "residual", x);
-    TORCH_CHECK(residual->sizes() == x.sizes(), "fused_mlp: residual shape ", residual->sizes(), " != x shape ",
-                x.sizes());
+    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "fused_mlp: residual shape ", residual_in->sizes(),
+                " != x shape ", x_in.sizes());
     TORCH_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype ", residual->scalar_type(),
                 " must equal residual_dtype ", h_dtype);
   }
@@ -1062,8 +1090,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
                 weight->scalar_type());
   }
   c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
-  auto h = residual.has_value() ? at::empty({M, N}, x.options().dtype(h_dtype)) : at::empty({0}, x.options());
+  auto y = at::empty(x_in.sizes(), x.options().dtype(out_dtype));
+  auto h = residual.has_value() ? at::empty(x_in.sizes(), x.options().dtype(h_dtype)) : at::empty({0}, x.options());
   auto rstd = at::empty({M}, x.options().dtype(at::kFloat));
   if (M == 0) return {y, h, rstd};
 
@@ -1088,7 +1116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
   a.offset = static_cast<float>(offset);
   a.w_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
   a.y_f32 = out_dtype == at::kFloat;
-  a.vec_ok = rows_aligned16(x) && rows_aligned16(y) && (!has_res || (rows_aligned16(*residual) && rows_aligned16(h))) &&
+  a.vec_ok = rows_aligned16(x) && out_rows_aligned16(y, M, N) &&
+             (!has_res || (rows_aligned16(*residual) && out_rows_aligned16(h, M, N))) &&
              (a.w == nullptr || ptr_aligned16(a.w));
 
   dispatch_base(xt, [&](auto xtag) {
