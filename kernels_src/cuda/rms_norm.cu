@@ -1,42 +1,48 @@
 // RMSNorm on CUDA: y = h * rsqrt(mean(h^2) + eps) * (offset + w), h = x (+ residual, rounded to h's dtype).
-// x, residual, dy, dh_extra: [M, N] (unit stride along N, any row stride, any alignment); weight, dw: [N];
-// y, h, dx: [M, N] contiguous; rstd: [M] fp32. fp32 math, one rounding per output, every N >= 0.
+// x, residual: [..., N] (viewed as [M, N] rows: unit stride along N, any row stride, any alignment); dy, dh_extra:
+// [M, N]; weight, dw: [N]; y, h, dx: contiguous; rstd: [M] fp32. fp32 math, one rounding per output, any N >= 0.
 //
-// Kernels (one table, `pick_*` below, chooses among them from N, the dtypes and the device):
-//   fwd rows  — each thread owns fixed 16-byte packs of a row ("columns") and holds them in registers;
-//               `rpb` rows per block for short rows; persistent grid (SMs x occupancy) looping over row groups;
-//               the next row group is cp.async'd into dynamic shared memory while the current one is reduced
-//               and written ("prefetch": registers + smem form a double buffer), when it fits.
-//   fwd wide  — one row per block iteration for rows beyond the register budget: the row is cached in dynamic
-//               shared memory when it fits (one HBM read), else re-read from global (L2) in a second pass.
-//   bwd rows  — ONE pass over the rows: persistent grid; per row: row dot product, dx, and dW partial sums kept
-//               in registers (a thread owns the same columns for every row); next row group prefetched into
-//               smem; one fp32 partial row per row-slot written at the end (or dW itself when there is one).
-//   bwd wide  — rows beyond the register budget: two passes over each row (the second from L2), dW partial
-//               row accumulated in dynamic smem when it fits, else in its global fp32 partial row.
-//   dW column sum — deterministic fixed-order sum of the partial rows (no atomics) into the weight dtype.
+// Kernels (`pick` logic in the host launchers below, one table for all of them):
+//   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
+//               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
+//               next row group is cp.async'd into dynamic smem while the current one is reduced and written
+//               (registers + smem = a double buffer), whenever it fits and some block has a next group.
+//   fwd wide  — rows beyond the register budget, one row per block iteration: the row is cached in dynamic smem
+//               when it fits (one HBM read), else re-read from global (L2) in a second pass.
+//   bwd rows  — ONE pass over the rows: persistent grid; per row the row dot product, dx, and dW partial sums in
+//               smem owned by the thread (same columns every row); next row group prefetched; at the end the
+//               block sums its row slots in a fixed order and writes one fp32 partial row (or dW when grid == 1).
+//   bwd wide  — rows beyond that: two passes per row (the second from L2); dW partial row in smem when it fits,
+//               else in the block's global fp32 partial row.
+//   dW column sum — fixed-order sum of the partial rows into the weight dtype (no atomics: bitwise reproducible).
+// Access: 16-byte vector loads/stores when every base pointer and row stride is 16-byte aligned; otherwise (odd
+// N, sliced views) the same kernels take per-element loads (`vec_ok` = false): correct for any layout.
 //
-// Access: 16-byte vector loads/stores when every base pointer and row stride is 16-byte aligned; otherwise
-// (odd N, sliced views) the same kernels take per-element loads (`vec_ok` = false) — correct for any layout.
-//
-// Config table (bf16/fp16: VEC = 8 elements per 16-byte pack; fp32: VEC = 4). NV = ceil(N / VEC).
-//   rows path, packs per thread ITERS: NV <= 32 -> 1; <= 128 -> 2; <= 1024 -> 4; else 8 (fwd) / 4 (bwd).
-//   threads per row tpr = ceil(NV / ITERS) rounded to a power of two (< 32) or a multiple of 32;
-//   rows per block rpb = 256 / tpr (>= 1), lowered for small M so the rows spread over all SMs.
-//   Register budget (data held per thread, 32-bit registers):
-//     fwd: ITERS * 16 B (held h/x packs) / 4 -> ITERS=8: 32 regs (+ ~25 addressing/scale/acc) under
-//          __launch_bounds__(1024, 1) = 64 regs; fp32 h with a 16-bit x doubles the held packs -> ITERS <= 4.
-//          => rows path up to NV <= 8 * 1024: N <= 65536 (bf16/fp16), 32768 (fp32, or fp32 residual stream).
-//     bwd: dW accumulators ITERS*VEC fp32 + h packs + dy packs must stay <= 80 data regs under
-//          __launch_bounds__(512, 1) = 128 regs: 16-bit h and dy: ITERS=4 (32+16+16 = 64), one of them fp32:
-//          ITERS=4 (80), both fp32 with 16-bit x: ITERS=2 (48); fp32 x: ITERS=4 (16+16+16 = 48).
-//          => bwd rows path up to N <= 16384 (16-bit) / 8192 (fp32 or fp32 h and dy); wider rows -> bwd wide.
-//   Shared memory (checked against cudaDevAttrMaxSharedMemoryPerBlockOptin for the actual N; a config that does
-//   not fit is never launched — prefetch/caching is switched off instead, and the zero-smem form always fits):
-//     fwd prefetch: rpb * NV * (16 + residual pack bytes);  bwd prefetch: rpb * NV * VEC * (|h| + |dy| + |dh|);
-//     fwd wide cache: NV * VEC * |h|;  bwd wide dW: NV * VEC * 4.  Static smem: 256 B (row reductions).
-//   ptxas (sm_90, CUDA 13.0, -O3), see the report in the commit history / README: no spills in any kernel.
-// Thresholds are first choices from the budget arithmetic; the H200 sweep (benchmarks/) decides the final ones.
+// Config table. VEC = 8 elements per 16-byte pack for bf16/fp16 x, 4 for fp32; NV = ceil(N / VEC).
+//   packs per thread ITERS: NV <= 32 -> 1 | <= 128 -> 2 | <= 1024 (fwd) / 2048 (bwd) -> 4 | <= 4096 -> 8 | else 16
+//   threads per row tpr = ceil(NV / ITERS), a power of two below 32, else a multiple of 32, <= 512;
+//   rows per block rpb = 256 / tpr (>= 1), lowered for small M so a short batch spreads over all SMs.
+//   -> bf16 fwd: N <= 256: 1 pack, 1..32 threads/row, 8..256 rows/block | N = 2048: 4 packs x 64 threads x 4 rows |
+//      4096: 4 x 128 x 2 | 8192: 4 x 256 | 16384: 8 x 256 | 32768: 8 x 512 | 65536: 16 x 512 | > 65536: wide.
+//   Register budget (both rows kernels: __launch_bounds__(512, 1) = 128 regs/thread):
+//     fwd holds ITERS packs of h: 16 B each -> ITERS = 16 is 64 regs of data; fp32 h with a 16-bit x doubles
+//       them -> ITERS <= 8.  Rows path: N <= 65536 (bf16/fp16), 32768 (fp32 or an fp32 residual stream).
+//     bwd holds h and dy packs: ITERS * VEC * (|h| + |dy|) / 4 <= 64 regs -> 16-bit h and dy: ITERS <= 8; one
+//       of them fp32: 4; both fp32 with a 16-bit x: 4 (VEC 8) ; fp32 x: 8.  dW partials are in smem.
+//   ptxas, sm_90, CUDA 13.0 (-O3), all 88 kernels: 0 bytes spilled. Registers/thread: fwd rows bf16 ITERS
+//     1/2/4/8/16 = 45/47/56/80/117 (with a bf16 residual 46/60/78/116/128); bwd rows bf16 h+dy ITERS 1/2/4/8 =
+//     68/96/102/128, bf16 h + fp32 dy 72/83/109/-; fwd wide 64-126; bwd wide 96-128; column sum 40.
+//     The per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it: 128 regs and
+//     up to 800 B of spills at ITERS >= 8).
+//   Shared memory, checked against cudaDevAttrMaxSharedMemoryPerBlockOptin (minus 1 KB) for the actual N before
+//   every launch; a configuration that does not fit is never launched (prefetch / caching is switched off,
+//   the rows-path bwd falls to the wide kernel, whose zero-smem form always fits):
+//     fwd prefetch rpb * NV * (16 + residual pack bytes) | bwd rows: dW rpb * N * 4 (+ prefetch rpb * NV * VEC *
+//     (|h| + |dy| + |dh|)) | fwd wide cache NV * VEC * |h| | bwd wide dW N * 4 | static 256 B (reductions).
+//   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
+//   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
+//   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
+// These thresholds come from the budget arithmetic above, not yet from an H200 sweep; the benchmark decides.
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <ATen/ops/empty.h>
@@ -715,7 +721,9 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs
 template <typename TX, typename TH, typename TD>
 __global__ void __launch_bounds__(512, 1) rms_norm_bwd_wide_kernel(const BwdArgs a) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
-  constexpr int U = 2;
+  // Packs in flight per thread: 4 while h + dy packs take <= 48 bytes (ptxas: <= 128 regs, no spills), else 2
+  // (fp32 h and dy with a 16-bit base spill at 4).
+  constexpr int U = VEC * static_cast<int>(sizeof(TH) + sizeof(TD)) <= 48 ? 4 : 2;
   using HPack = Pack<TH, VEC>;
   using DPack = Pack<TD, VEC>;
   using FPack = Pack<float, VEC>;
@@ -983,9 +991,12 @@ int next_pow2(int64_t v) {
 // Packs per thread from the row length in packs (NV): short rows take few packs per thread and many rows per
 // block; long rows take more packs per thread so the threads per row stay <= max_tpr. `forced` (tuning) and
 // the register budget `max_iters` bound the choice; the caller guarantees NV <= max_iters * max_tpr.
-RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64_t M, int sms, int64_t max_rpb = 0) {
+// `four_up_to`: the largest NV that still takes 4 packs per thread (fwd 1024 -> tpr <= 256 and more blocks per
+// SM; bwd 2048 -> 512 threads per block, since its smem (dW + prefetch) allows one block per SM at N = 16384).
+RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64_t M, int sms, int64_t four_up_to,
+                       int64_t max_rpb = 0) {
   RowsConfig c;
-  int iters = NV <= 32 ? 1 : NV <= 128 ? 2 : NV <= 1024 ? 4 : NV <= 4096 ? 8 : 16;
+  int iters = NV <= 32 ? 1 : NV <= 128 ? 2 : NV <= four_up_to ? 4 : NV <= 4096 ? 8 : 16;
   if (forced > 0) iters = forced;
   iters = std::min(iters, max_iters);
   while (iters < max_iters && (NV + iters - 1) / iters > max_tpr) iters *= 2;
@@ -1131,7 +1142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;
       if (NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads) {
-        const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.fwd_iters, M, info.sms);
+        const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.fwd_iters, M, info.sms, 1024);
         a.tpr = c.tpr;
         a.rpb = c.rpb;
         const int64_t groups = (M + c.rpb - 1) / c.rpb;
@@ -1276,7 +1287,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
              (has_extra ? (a.extra_f32 ? 4 : static_cast<int64_t>(sizeof(TX))) : 0));
         const int64_t dw_bytes_per_slot = want_dw ? NV * VEC * 4 : 0;
         if (NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads && dw_bytes_per_slot <= smem_budget(info)) {
-          const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.bwd_iters, M, info.sms,
+          const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.bwd_iters, M, info.sms, 2048,
                                            want_dw ? smem_budget(info) / std::max<int64_t>(dw_bytes_per_slot, 1) : 0);
           a.tpr = c.tpr;
           a.rpb = c.rpb;
