@@ -457,6 +457,31 @@ def test_fp32_upstream_with_fp32_residual_stream(fm, device):
     assert max_err(r.grad, dr64) <= tol * dr64.abs().max().item()
 
 
+def test_cpu_baseline_copy_subprocess():
+    """The CPU row kernels exist twice (AVX2+F16C and baseline x86-64, picked at run time); this machine runs the
+    AVX2 copy, so the baseline copy is forced in a fresh process (FUSED_MLP_CPU_BASELINE is read once)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import kernels
+        from test_rms_norm import run_case, make
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}), backend="cpu")
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            for m, n in ((7, 1000), (3, 13), (2, 4099)):
+                x = make((m, n), dt, "cpu")
+                w = 1 + 0.25 * make((n,), dt, "cpu", seed=1)
+                run_case(fm, x, w)
+                run_case(fm, x, w.float(), residual=make((m, n), torch.float32, "cpu", seed=2),
+                         residual_dtype=torch.float32)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "FUSED_MLP_CPU_BASELINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
+
+
 # ---- GPU: every kernel configuration ---------------------------------------------------------------------
 
 

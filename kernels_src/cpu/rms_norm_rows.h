@@ -1,13 +1,14 @@
 // RMSNorm row kernels for the CPU, written once over an 8-wide fp32 vector type `F8` and compiled twice by
-// rms_norm.cpp: inside `#pragma GCC target("avx2,fma,f16c")` as namespace `avx2` (F8 = __m256, F16C half
-// conversions), and for baseline x86-64 as namespace `base` (F8 = float[8], c10 conversions). No include guard:
-// FUSED_MLP_ROWS_NS names the namespace of each copy. Everything here is per row; threading is the caller's.
+// rms_norm.cpp: inside `#pragma GCC target("avx2,fma,f16c")` as namespace `avx2` with FUSED_MLP_ROWS_AVX2 = 1
+// (F8 = __m256, F16C half conversions), and for baseline x86-64 as namespace `base` (F8 = float[8], c10
+// conversions). The includer sets the macro: `#pragma GCC target` does not define __AVX2__/__F16C__ (GCC 12).
+// No include guard: FUSED_MLP_ROWS_NS names the namespace of each copy. Per row only; threading is the caller's.
 //
 // Numerics: fp32 math, results rounded once (round-to-nearest-even, NaN preserved) on store.
 
 namespace fused_mlp::cpu::FUSED_MLP_ROWS_NS {
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if FUSED_MLP_ROWS_AVX2
 struct F8 {
   __m256 v;
 };

@@ -721,9 +721,9 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs
 template <typename TX, typename TH, typename TD>
 __global__ void __launch_bounds__(512, 1) rms_norm_bwd_wide_kernel(const BwdArgs a) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
-  // Packs in flight per thread: 4 while h + dy packs take <= 48 bytes (ptxas: <= 128 regs, no spills), else 2
-  // (fp32 h and dy with a 16-bit base spill at 4).
-  constexpr int U = VEC * static_cast<int>(sizeof(TH) + sizeof(TD)) <= 48 ? 4 : 2;
+  // Packs in flight per thread: 4 while h + dy packs take 32 bytes (16-bit h and dy, or fp32 x), else 2 (mixed
+  // fp32/16-bit packs spill at 4 on sm_80/sm_100/sm_120).
+  constexpr int U = VEC * static_cast<int>(sizeof(TH) + sizeof(TD)) <= 32 ? 4 : 2;
   using HPack = Pack<TH, VEC>;
   using DPack = Pack<TD, VEC>;
   using FPack = Pack<float, VEC>;
@@ -936,6 +936,26 @@ int blocks_per_sm(const void* kernel, int threads, int64_t smem, int dev) {
   return n;
 }
 
+// Local memory (register spills) per thread of `kernel` as compiled for device `dev`, cached. The rows kernels
+// are spill-free on sm_90 (see header) but the register allocation differs per architecture (sm_100/sm_120 spill
+// at 16 packs per thread): a variant that spills on this device is replaced by one with fewer packs per thread,
+// or by the wide kernel.
+bool kernel_spills(const void* kernel, int dev) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, unsigned long long> known, spills;  // kernel -> device bitmasks
+  std::lock_guard<std::mutex> lock(mu);
+  const unsigned long long bit = 1ull << dev;
+  unsigned long long& k = known[kernel];
+  unsigned long long& sp = spills[kernel];
+  if (!(k & bit)) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (attr.localSizeBytes > 0) sp |= bit;
+    k |= bit;
+  }
+  return (sp & bit) != 0;
+}
+
 // Knobs for the H200 tuning sweep (defaults are the shipped choices). Parsed once.
 struct Tuning {
   bool fwd_prefetch = true;
@@ -1141,8 +1161,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;
-      if (NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads) {
-        const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.fwd_iters, M, info.sms, 1024);
+      auto rows_kernel = [](int iters) -> const void* {
+        const void* k = nullptr;
+        dispatch_int<1, 2, 4, 8, 16>(iters, [&](auto it) {
+          if constexpr (decltype(it)::value <= kMaxIters)
+            k = reinterpret_cast<const void*>(&rms_norm_fwd_rows_kernel<TX, TH, RES, decltype(it)::value>);
+        });
+        return k;
+      };
+      bool use_rows = NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads;
+      RowsConfig c;
+      if (use_rows) {
+        c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.fwd_iters, M, info.sms, 1024);
+        while (kernel_spills(rows_kernel(c.iters), dev)) {
+          if (c.iters == 1 || NV > static_cast<int64_t>(c.iters / 2) * kRowsMaxThreads) {
+            use_rows = false;  // fewer packs per thread cannot cover the row: the wide kernel does not spill
+            break;
+          }
+          c = rows_config(NV, c.iters / 2, kRowsMaxThreads, 0, M, info.sms, 1024);
+        }
+      }
+      if (use_rows) {
         a.tpr = c.tpr;
         a.rpb = c.rpb;
         const int64_t groups = (M + c.rpb - 1) / c.rpb;
@@ -1286,9 +1325,28 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
             (static_cast<int64_t>(sizeof(TH)) + static_cast<int64_t>(sizeof(TD)) +
              (has_extra ? (a.extra_f32 ? 4 : static_cast<int64_t>(sizeof(TX))) : 0));
         const int64_t dw_bytes_per_slot = want_dw ? NV * VEC * 4 : 0;
-        if (NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads && dw_bytes_per_slot <= smem_budget(info)) {
-          const RowsConfig c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.bwd_iters, M, info.sms, 2048,
-                                           want_dw ? smem_budget(info) / std::max<int64_t>(dw_bytes_per_slot, 1) : 0);
+        const int64_t max_rpb = want_dw ? smem_budget(info) / std::max<int64_t>(dw_bytes_per_slot, 1) : 0;
+        auto rows_kernel = [](int iters) -> const void* {
+          const void* k = nullptr;
+          dispatch_int<1, 2, 4, 8>(iters, [&](auto it) {
+            if constexpr (decltype(it)::value <= kMaxIters)
+              k = reinterpret_cast<const void*>(&rms_norm_bwd_rows_kernel<TX, TH, TD, decltype(it)::value>);
+          });
+          return k;
+        };
+        bool use_rows = NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads && dw_bytes_per_slot <= smem_budget(info);
+        RowsConfig c;
+        if (use_rows) {
+          c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.bwd_iters, M, info.sms, 2048, max_rpb);
+          while (kernel_spills(rows_kernel(c.iters), dev)) {
+            if (c.iters == 1 || NV > static_cast<int64_t>(c.iters / 2) * kRowsMaxThreads) {
+              use_rows = false;
+              break;
+            }
+            c = rows_config(NV, c.iters / 2, kRowsMaxThreads, 0, M, info.sms, 2048, max_rpb);
+          }
+        }
+        if (use_rows) {
           a.tpr = c.tpr;
           a.rpb = c.rpb;
           const int64_t groups = (M + c.rpb - 1) / c.rpb;
