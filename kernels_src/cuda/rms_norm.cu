@@ -33,7 +33,9 @@
 //     1/2/4/8/16 = 45/47/56/80/117 (with a bf16 residual 46/60/78/116/128); bwd rows bf16 h+dy ITERS 1/2/4/8 =
 //     68/96/102/128, bf16 h + fp32 dy 72/83/109/-; fwd wide 64-126; bwd wide 96-128; column sum 40.
 //     The per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it: 128 regs and
-//     up to 800 B of spills at ITERS >= 8).
+//     up to 800 B of spills at ITERS >= 8).  sm_80: 0 spills anywhere. sm_100 / sm_120 spill in fwd rows
+//     ITERS = 16 (~256 B) and, sm_120 only, bwd rows ITERS = 8: the host reads each kernel's localSizeBytes on
+//     the running device and takes fewer packs per thread, or the wide kernel, instead of a spilling variant.
 //   Shared memory, checked against cudaDevAttrMaxSharedMemoryPerBlockOptin (minus 1 KB) for the actual N before
 //   every launch; a configuration that does not fit is never launched (prefetch / caching is switched off,
 //   the rows-path bwd falls to the wide kernel, whose zero-smem form always fits):
