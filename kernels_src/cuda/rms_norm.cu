@@ -1,8 +1,64 @@
-// RMSNorm on CUDA: y = h * rsqrt(mean(h^2) + eps) * (offset + w), h = x (+ residual).
-// x, residual, dy, dx: [M, N] (unit stride along N, any row stride); weight, dw: [N]; rstd: [M] fp32.
-// fp32 math, one rounding per output. Forward: one block per row. Backward: a grid of row-blocks, each writing
-// an fp32 dW partial row [blocks, N], then a column reduction in a fixed order (deterministic, no atomics).
+// RMSNorm on CUDA: y = h * rsqrt(mean(h^2) + eps) * (offset + w), h = x (+ residual, rounded to h's dtype).
+// x, residual: [..., N] (viewed as [M, N] rows: unit stride along N, any row stride, any alignment); dy, dh_extra:
+// [M, N]; weight, dw: [N]; y, h, dx: contiguous; rstd: [M] fp32. fp32 math, one rounding per output, any N >= 0.
+//
+// Kernels (`pick` logic in the host launchers below, one table for all of them):
+//   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
+//               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
+//               next row group is cp.async'd into dynamic smem while the current one is reduced and written
+//               (registers + smem = a double buffer), whenever it fits and some block has a next group.
+//   fwd wide  — rows beyond the register budget, one row per block iteration: the row is cached in dynamic smem
+//               when it fits (one HBM read), else re-read from global (L2) in a second pass.
+//   bwd rows  — ONE pass over the rows: persistent grid; per row the row dot product, dx, and dW partial sums in
+//               smem owned by the thread (same columns every row); next row group prefetched; at the end the
+//               block sums its row slots in a fixed order and writes one fp32 partial row (or dW when grid == 1).
+//   bwd wide  — rows beyond that: two passes per row (the second from L2); dW partial row in smem when it fits,
+//               else in the block's global fp32 partial row.
+//   dW column sum — fixed-order sum of the partial rows into the weight dtype (no atomics: bitwise reproducible).
+// Access: 16-byte vector loads/stores when every base pointer and row stride is 16-byte aligned; otherwise (odd
+// N, sliced views) the same kernels take per-element loads (`vec_ok` = false): correct for any layout.
+//
+// Config table. VEC = 8 elements per 16-byte pack for bf16/fp16 x, 4 for fp32; NV = ceil(N / VEC).
+//   packs per thread ITERS: NV <= 32 -> 1 | <= 128 -> 2 | <= 1024 (fwd) / 2048 (bwd) -> 4 | <= 4096 -> 8 | else 16
+//   threads per row tpr = ceil(NV / ITERS), a power of two below 32, else a multiple of 32, <= 512;
+//   rows per block rpb = 256 / tpr (>= 1), lowered for small M so a short batch spreads over all SMs.
+//   -> bf16 fwd: N <= 256: 1 pack, 1..32 threads/row, 8..256 rows/block | N = 2048: 4 packs x 64 threads x 4 rows |
+//      4096: 4 x 128 x 2 | 8192: 4 x 256 | 16384: 8 x 256 | 32768: 8 x 512 | 65536: 16 x 512 | > 65536: wide.
+//   Register budget (both rows kernels: __launch_bounds__(512, 1) = 128 regs/thread):
+//     fwd holds ITERS packs of h: 16 B each -> ITERS = 16 is 64 regs of data; fp32 h with a 16-bit x doubles
+//       them -> ITERS <= 8.  Rows path: N <= 65536 (bf16/fp16), 32768 (fp32 or an fp32 residual stream).
+//     bwd holds h and dy packs: ITERS * VEC * (|h| + |dy|) / 4 <= 64 regs -> 16-bit h and dy: ITERS <= 8; one
+//       of them fp32: 4; both fp32 with a 16-bit x: 4 (VEC 8) ; fp32 x: 8.  dW partials are in smem.
+//   ptxas, sm_90, CUDA 13.0 (-O3), all 88 kernels: 0 bytes spilled. Registers/thread: fwd rows bf16 ITERS
+//     1/2/4/8/16 = 45/47/56/80/117 (with a bf16 residual 46/60/78/116/128); bwd rows bf16 h+dy ITERS 1/2/4/8 =
+//     68/96/102/128, bf16 h + fp32 dy 72/83/109/-; fwd wide 64-126; bwd wide 96-128; column sum 40.
+//     The per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it: 128 regs and
+//     up to 800 B of spills at ITERS >= 8).  sm_80: 0 spills anywhere. sm_100 / sm_120 spill in fwd rows
+//     ITERS = 16 (~256 B) and, sm_120 only, bwd rows ITERS = 8: the host reads each kernel's localSizeBytes on
+//     the running device and takes fewer packs per thread, or the wide kernel, instead of a spilling variant.
+//   Shared memory, checked against cudaDevAttrMaxSharedMemoryPerBlockOptin (minus 1 KB) for the actual N before
+//   every launch; a configuration that does not fit is never launched (prefetch / caching is switched off,
+//   the rows-path bwd falls to the wide kernel, whose zero-smem form always fits):
+//     fwd prefetch rpb * NV * (16 + residual pack bytes) | bwd rows: dW rpb * N * 4 (+ prefetch rpb * NV * VEC *
+//     (|h| + |dy| + |dh|)) | fwd wide cache NV * VEC * |h| | bwd wide dW N * 4 | static 256 B (reductions).
+//   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
+//   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
+//   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
+// These thresholds come from the budget arithmetic above, not yet from an H200 sweep; the benchmark decides.
+// FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
+//   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
 
 #include "cuda/common.cuh"
 #include "torch_binding.h"
@@ -10,113 +66,1024 @@
 namespace fused_mlp::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// ---- 16-byte packs -------------------------------------------------------------------------------------
 
-template <typename TX, typename TR, typename TW, typename TO>
-__global__ void rms_norm_fwd_kernel(const TX* __restrict__ x, int64_t x_stride,     // [M, N]
-                                    const TR* __restrict__ res, int64_t res_stride,  // [M, N] or null
-                                    TR* __restrict__ h, int64_t h_stride,            // [M, N] or null
-                                    const TW* __restrict__ w,                        // [N] or null
-                                    TO* __restrict__ y,                              // [M, N] contiguous
-                                    float* __restrict__ rstd,                        // [M]
-                                    int64_t N, float eps, float offset) {
-  __shared__ float scratch[32];
-  const int64_t row = blockIdx.x;
-  const TX* xr = x + row * x_stride;
-  float ss = 0.f;
-  if (res != nullptr) {
-    const TR* rr = res + row * res_stride;
-    TR* hr = h + row * h_stride;
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const TR hv = from_float<TR>(to_float(xr[i]) + to_float(rr[i]));
-      hr[i] = hv;
-      const float f = to_float(hv);  // normalise the rounded residual stream value
-      ss += f * f;
-    }
+// VEC consecutive elements of one row, moved as one or two 16-byte units.
+template <typename T, int VEC>
+struct Pack {
+  static_assert((sizeof(T) * VEC) % 16 == 0, "a pack is a whole number of 16-byte units");
+  static constexpr int kUnits = static_cast<int>(sizeof(T) * VEC / 16);
+  union {
+    uint4 u[kUnits];
+    T v[VEC];
+  };
+};
+
+enum class Ld { Stream, Keep, ReadOnly };  // evict-first (read once) / default / read-only cache (weights)
+
+template <Ld P>
+__device__ __forceinline__ uint4 ld16(const uint4* p) {
+  if constexpr (P == Ld::Stream) {
+    return __ldcs(p);
+  } else if constexpr (P == Ld::ReadOnly) {
+    return __ldg(p);
   } else {
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const float f = to_float(xr[i]);
-      ss += f * f;
-    }
+    return *p;
   }
-  ss = block_reduce_sum(ss, scratch);
-  const float rs = rsqrtf(ss / static_cast<float>(N) + eps);
-  if (threadIdx.x == 0) rstd[row] = rs;
-  TO* yr = y + row * N;
-  if (res != nullptr) {
-    // Each thread re-reads the h elements it wrote itself: no barrier needed.
-    const TR* hr = h + row * h_stride;
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const float s = w != nullptr ? offset + to_float(w[i]) : 1.f;
-      yr[i] = from_float<TO>(to_float(hr[i]) * rs * s);
-    }
+}
+
+template <typename T>
+__device__ __forceinline__ T zero() { return from_float<T>(0.f); }
+
+// Pack at columns [col, col + VEC) of `row`; columns >= n read as 0. Vector access only when `vec_ok`.
+template <Ld P, typename T, int VEC>
+__device__ __forceinline__ void load_pack(Pack<T, VEC>& p, const T* __restrict__ row, int col, int n,
+                                          bool vec_ok) {
+  if (vec_ok && col + VEC <= n) {
+    const uint4* src = reinterpret_cast<const uint4*>(row + col);
+#pragma unroll
+    for (int k = 0; k < Pack<T, VEC>::kUnits; ++k) p.u[k] = ld16<P>(src + k);
   } else {
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const float s = w != nullptr ? offset + to_float(w[i]) : 1.f;
-      yr[i] = from_float<TO>(to_float(xr[i]) * rs * s);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = col + j < n ? row[col + j] : zero<T>();
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* __restrict__ row, int col, int n, bool vec_ok,
+                                           const Pack<T, VEC>& p) {
+  if (vec_ok && col + VEC <= n) {
+    uint4* dst = reinterpret_cast<uint4*>(row + col);
+#pragma unroll
+    for (int k = 0; k < Pack<T, VEC>::kUnits; ++k) dst[k] = p.u[k];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col + j < n) row[col + j] = p.v[j];
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_floats(T* __restrict__ row, int col, int n, bool vec_ok,
+                                             const float (&f)[VEC]) {
+  Pack<T, VEC> p;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) p.v[j] = from_float<T>(f[j]);
+  store_pack(row, col, n, vec_ok, p);
+}
+
+// Outputs and side inputs whose dtype is picked at run time: float32 or the base (x) dtype TB. The branch is
+// uniform across the grid; it keeps the number of instantiations down.
+template <typename TB, int VEC>
+__device__ __forceinline__ void store_floats_rt(void* row, bool f32, int col, int n, bool vec_ok,
+                                                const float (&f)[VEC]) {
+  if (f32) {
+    store_floats<float, VEC>(static_cast<float*>(row), col, n, vec_ok, f);
+  } else {
+    store_floats<TB, VEC>(static_cast<TB*>(row), col, n, vec_ok, f);
+  }
+}
+
+template <Ld P, typename TB, int VEC>
+__device__ __forceinline__ void load_floats_rt(float (&f)[VEC], const void* row, bool f32, int col, int n,
+                                               bool vec_ok) {
+  if (f32) {
+    Pack<float, VEC> p;
+    load_pack<P>(p, static_cast<const float*>(row), col, n, vec_ok);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = p.v[j];
+  } else {
+    Pack<TB, VEC> p;
+    load_pack<P>(p, static_cast<const TB*>(row), col, n, vec_ok);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
+  }
+}
+
+// (offset + w) in fp32 for one pack (1 without a weight). Weights are re-read from L1 for every row.
+template <typename TB, int VEC>
+__device__ __forceinline__ void load_scale(float (&s)[VEC], const void* w, bool w_f32, float offset, int col,
+                                           int n, bool vec_ok) {
+  if (w == nullptr) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[j] = 1.f;
+    return;
+  }
+  load_floats_rt<Ld::ReadOnly, TB, VEC>(s, w, w_f32, col, n, vec_ok);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = offset + s[j];
+}
+
+// ---- cp.async (sm_80+): global -> shared without registers --------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
+               : "memory");
+#else
+  __trap();  // the host never enables prefetch below sm_80
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Pack at [col, col + VEC) -> its smem slot; bytes past the row end are zero-filled. Needs 16-byte alignment.
+template <typename T, int VEC>
+__device__ __forceinline__ void prefetch_pack(Pack<T, VEC>* slot, const T* row, int col, int n) {
+  const int left = (n - col) * static_cast<int>(sizeof(T));
+  const char* src = reinterpret_cast<const char*>(row + col);
+#pragma unroll
+  for (int k = 0; k < Pack<T, VEC>::kUnits; ++k) {
+    const int rem = left - 16 * k;
+    const int bytes = rem >= 16 ? 16 : (rem > 0 ? rem : 0);
+    cp_async16(&slot->u[k], bytes > 0 ? src + 16 * k : reinterpret_cast<const char*>(row), bytes);
+  }
+}
+
+// ---- row reduction ---------------------------------------------------------------------------------------
+
+// Sum over the `tpr` consecutive threads that share a row (tpr: a power of two <= 32, or a multiple of 32).
+// Every thread of the row gets the bitwise same value (butterfly + fixed-order combine). All threads of the
+// block must call it (it may hold a barrier). `scratch`: 64 floats, double-buffered by `parity`, so one
+// barrier per call suffices: a buffer is rewritten only after the next call's barrier.
+__device__ __forceinline__ float row_reduce_sum(float v, int tpr, float* scratch, int& parity) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* s = scratch + parity * 32;
+  parity ^= 1;
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  const int wpr = tpr >> 5, first = (warp / wpr) * wpr;
+  float t = 0.f;
+  for (int k = 0; k < wpr; ++k) t += s[first + k];
+  return t;
+}
+
+template <int VEC>
+__device__ __forceinline__ float sum_vec(const float (&a)[VEC]) {
+  float t = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) t += a[j];
+  return t;
+}
+
+// Per-pack addresses and bounds are loop-invariant across the row loop; left alone, the compiler hoists all
+// ITERS of each out of it and spills (ptxas: 128 regs + 600 B spills at ITERS=8). An opaque copy of the
+// thread's (tpr, lane) at the top of each use keeps them local: 80 regs, no spills (see header).
+__device__ __forceinline__ void opaque(int& tpr, int& lane) { asm volatile("" : "+r"(tpr), "+r"(lane)); }
+
+// ---- forward -----------------------------------------------------------------------------------------------
+
+struct FwdArgs {
+  const void* x;          // [M, N] x dtype, row stride x_stride (elements)
+  int64_t x_stride;
+  const void* res;        // [M, N] h dtype, or null
+  int64_t res_stride;
+  void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
+  const void* w;          // [N] x dtype or fp32, or null
+  void* y;                // [M, N] contiguous, x dtype or fp32
+  float* rstd;            // [M]
+  int64_t M, N;
+  float eps, offset;
+  int tpr, rpb;           // rows kernel: threads per row, rows per block (blockDim.x == tpr * rpb)
+  bool w_f32, y_f32;
+  bool vec_ok;            // every base pointer and row stride is 16-byte aligned
+  bool prefetch;          // rows kernel: next row group cp.async'd into dynamic smem
+  bool cache;             // wide kernel: row cached in dynamic smem
+};
+
+template <typename TX, typename TH>
+__device__ __forceinline__ char* y_row(const FwdArgs& a, int64_t row) {
+  return static_cast<char*>(a.y) + row * a.N * (a.y_f32 ? 4 : static_cast<int64_t>(sizeof(TX)));
+}
+
+// TX: x dtype; TH: h dtype (== TX without residual). ITERS packs per thread held in registers.
+template <typename TX, typename TH, bool RES, int ITERS>
+__global__ void __launch_bounds__(512, 1) rms_norm_fwd_rows_kernel(const FwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  using HPack = Pack<TH, VEC>;
+  static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
+  extern __shared__ uint4 dyn_smem[];
+  __shared__ float red[64];
+
+  const int64_t M = a.M;
+  const int N = static_cast<int>(a.N), NV = (N + VEC - 1) / VEC;
+  const int tpr0 = a.tpr, lane0 = threadIdx.x % tpr0, rib = threadIdx.x / tpr0;
+  const int64_t groups = (M + a.rpb - 1) / a.rpb;
+  XPack* x_slot = reinterpret_cast<XPack*>(dyn_smem) + rib * NV;  // prefetch slots: x packs, then residual
+  HPack* r_slot = reinterpret_cast<HPack*>(reinterpret_cast<XPack*>(dyn_smem) + a.rpb * NV) + rib * NV;
+
+  auto issue = [&](int64_t g) {  // cp.async this thread's packs of row group g
+    int tpr = tpr0, lane = lane0;
+    opaque(tpr, lane);
+    const int64_t row = g * a.rpb + rib;
+    if (row < M) {
+      const TX* xr = static_cast<const TX*>(a.x) + row * a.x_stride;
+      const TH* rr = RES ? static_cast<const TH*>(a.res) + row * a.res_stride : nullptr;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (v < NV) {
+          prefetch_pack(x_slot + v, xr, v * VEC, N);
+          if constexpr (RES) prefetch_pack(r_slot + v, rr, v * VEC, N);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  int parity = 0;
+  int64_t g = blockIdx.x;
+  if (a.prefetch && g < groups) issue(g);
+  for (; g < groups; g += gridDim.x) {
+    int tpr = tpr0, lane = lane0;
+    opaque(tpr, lane);
+    const int64_t row = g * a.rpb + rib;
+    const bool valid = row < M;
+    HPack hv[ITERS];
+    float ssv[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+    if (a.prefetch) cp_async_wait_all();  // own slots only: no barrier needed
+    {
+      const TX* xr = static_cast<const TX*>(a.x) + (valid ? row : 0) * a.x_stride;
+      const TH* rr = RES ? static_cast<const TH*>(a.res) + (valid ? row : 0) * a.res_stride : nullptr;
+      TH* hr = RES ? static_cast<TH*>(a.h) + (valid ? row : 0) * a.N : nullptr;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (valid && v < NV) {
+          XPack xp;
+          if (a.prefetch) {
+            xp = x_slot[v];
+          } else {
+            load_pack<Ld::Stream>(xp, xr, v * VEC, N, a.vec_ok);
+          }
+          if constexpr (RES) {
+            HPack rp;
+            if (a.prefetch) {
+              rp = r_slot[v];
+            } else {
+              load_pack<Ld::Stream>(rp, rr, v * VEC, N, a.vec_ok);
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) hv[i].v[j] = from_float<TH>(to_float(xp.v[j]) + to_float(rp.v[j]));
+            // The residual stream carries h rounded to its dtype; exactly that value is normalised below.
+            store_pack(hr, v * VEC, N, a.vec_ok, hv[i]);
+          } else {
+            hv[i] = xp;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) hv[i].v[j] = zero<TH>();
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float f = to_float(hv[i].v[j]);
+          ssv[j] += f * f;
+        }
+      }
+    }
+    // The slots were consumed into registers (ssv depends on every one of them): refill them with the next
+    // row group now, so its loads are in flight while this group is reduced and written.
+    if (a.prefetch && g + gridDim.x < groups) issue(g + gridDim.x);
+    const float ss = row_reduce_sum(sum_vec(ssv), tpr, red, parity);
+    const float rs = rsqrtf(ss / static_cast<float>(N) + a.eps);
+    if (valid) {
+      if (lane == 0) a.rstd[row] = rs;
+      char* yr = y_row<TX, TH>(a, row);
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (v < NV) {
+          float s[VEC], o[VEC];
+          load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = to_float(hv[i].v[j]) * rs * s[j];
+          store_floats_rt<TX, VEC>(yr, a.y_f32, v * VEC, N, a.vec_ok, o);
+        }
+      }
     }
   }
 }
 
-template <typename TH, typename TD, typename TW, typename TX, typename TE>
-__global__ void rms_norm_bwd_kernel(const TD* __restrict__ dy, int64_t dy_stride,  // [M, N]
-                                    const TH* __restrict__ h, int64_t h_stride,    // [M, N]
-                                    const float* __restrict__ rstd,                // [M]
-                                    const TW* __restrict__ w,                      // [N] or null
-                                    const TE* __restrict__ extra, int64_t e_stride,  // [M, N] or null
-                                    TX* __restrict__ dx,                           // [M, N] contiguous
-                                    float* __restrict__ dw_partial,                // [gridDim.x, N] or null
-                                    int64_t M, int64_t N, float offset) {
-  __shared__ float scratch[32];
-  float* part = dw_partial != nullptr ? dw_partial + blockIdx.x * N : nullptr;
-  if (part != nullptr)
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) part[i] = 0.f;
+// Rows wider than the register budget: one row per block iteration, blockDim.x threads, U packs in flight.
+template <typename TX, typename TH, bool RES>
+__global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  constexpr int U = 4;
+  using XPack = Pack<TX, VEC>;
+  using HPack = Pack<TH, VEC>;
+  static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
+  extern __shared__ uint4 dyn_smem[];
+  __shared__ float red[64];
+  HPack* cache = reinterpret_cast<HPack*>(dyn_smem);
+
+  const int64_t M = a.M;
+  const int N = static_cast<int>(a.N), NV = (N + VEC - 1) / VEC;
+  const int T = blockDim.x;
+  int parity = 0;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-    const TD* dyr = dy + row * dy_stride;
-    const TH* hr = h + row * h_stride;
-    const float rs = rstd[row];
-    float dotv = 0.f;
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const float s = w != nullptr ? offset + to_float(w[i]) : 1.f;
-      const float xhat = to_float(hr[i]) * rs;
-      const float g = to_float(dyr[i]);
-      dotv += g * s * xhat;
-      if (part != nullptr) part[i] += g * xhat;  // same thread, same column every row: no race
+    const TX* xr = static_cast<const TX*>(a.x) + row * a.x_stride;
+    const TH* rr = RES ? static_cast<const TH*>(a.res) + row * a.res_stride : nullptr;
+    TH* hr = RES ? static_cast<TH*>(a.h) + row * a.N : nullptr;
+    float ssv[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+    for (int v0 = threadIdx.x; v0 < NV; v0 += U * T) {
+      XPack xp[U];
+      HPack rp[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          // Without a cache, x (or h) is read again in the second pass: keep it in L2.
+          if (a.cache || RES) {
+            load_pack<Ld::Stream>(xp[u], xr, v * VEC, N, a.vec_ok);
+          } else {
+            load_pack<Ld::Keep>(xp[u], xr, v * VEC, N, a.vec_ok);
+          }
+          if constexpr (RES) load_pack<Ld::Stream>(rp[u], rr, v * VEC, N, a.vec_ok);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          HPack hp;
+          if constexpr (RES) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) hp.v[j] = from_float<TH>(to_float(xp[u].v[j]) + to_float(rp[u].v[j]));
+            store_pack(hr, v * VEC, N, a.vec_ok, hp);
+          } else {
+            hp = xp[u];
+          }
+          if (a.cache) cache[v] = hp;  // own slots only
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float f = to_float(hp.v[j]);
+            ssv[j] += f * f;
+          }
+        }
+      }
     }
-    const float c = block_reduce_sum(dotv, scratch) / static_cast<float>(N);
-    TX* dxr = dx + row * N;
-    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-      const float s = w != nullptr ? offset + to_float(w[i]) : 1.f;
-      const float xhat = to_float(hr[i]) * rs;
-      float v = rs * (to_float(dyr[i]) * s - xhat * c);
-      if (extra != nullptr) v += to_float(extra[row * e_stride + i]);
-      dxr[i] = from_float<TX>(v);
+    const float ss = row_reduce_sum(sum_vec(ssv), T, red, parity);
+    const float rs = rsqrtf(ss / static_cast<float>(N) + a.eps);
+    if (threadIdx.x == 0) a.rstd[row] = rs;
+    char* yr = y_row<TX, TH>(a, row);
+    for (int v0 = threadIdx.x; v0 < NV; v0 += U * T) {
+      HPack hp[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          if (a.cache) {
+            hp[u] = cache[v];
+          } else if constexpr (RES) {
+            load_pack<Ld::Stream>(hp[u], static_cast<const TH*>(hr), v * VEC, N, a.vec_ok);  // own writes
+          } else {
+            load_pack<Ld::Stream>(hp[u], xr, v * VEC, N, a.vec_ok);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          float s[VEC], o[VEC];
+          load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = to_float(hp[u].v[j]) * rs * s[j];
+          store_floats_rt<TX, VEC>(yr, a.y_f32, v * VEC, N, a.vec_ok, o);
+        }
+      }
     }
   }
 }
 
-template <typename TW>
-__global__ void column_sum_kernel(const float* __restrict__ partial, int rows, int64_t N, TW* __restrict__ out) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= N) return;
-  float s = 0.f;
-  for (int r = 0; r < rows; ++r) s += partial[static_cast<int64_t>(r) * N + col];
-  out[col] = from_float<TW>(s);
+// ---- backward ----------------------------------------------------------------------------------------------
+
+struct BwdArgs {
+  const void* dy;         // [M, N] x dtype or fp32, row stride dy_stride
+  int64_t dy_stride;
+  const void* h;          // [M, N] h dtype (x dtype or fp32), row stride h_stride
+  int64_t h_stride;
+  const float* rstd;      // [M]
+  const void* w;          // [N] x dtype or fp32, or null
+  const void* extra;      // [M, N] incoming gradient of h (x dtype or fp32), or null
+  int64_t extra_stride;
+  void* dx;               // [M, N] contiguous, x dtype or fp32
+  float* partial;         // [P, pstride] fp32 dW partial rows, or null
+  int64_t pstride;
+  void* dw;               // [N] weight dtype: written directly when there is a single partial row
+  int64_t M, N;
+  float offset;
+  int tpr, rpb;
+  bool w_f32, extra_f32, dx_f32;
+  bool vec_ok, prefetch, direct_dw, dw_smem;
+};
+
+// Largest packs-per-thread the bwd rows kernel holds in registers: h and dy packs <= 64 registers (see header).
+template <typename TX, typename TH, typename TD>
+constexpr int bwd_max_iters() {
+  constexpr int vec = 16 / static_cast<int>(sizeof(TX));
+  for (int it = 8; it > 1; it /= 2)
+    if (it * vec * static_cast<int>(sizeof(TH) + sizeof(TD)) / 4 <= 64) return it;
+  return 1;
 }
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device] > 0) return cached[device];
+template <typename TX>
+__device__ __forceinline__ char* dx_row(const BwdArgs& a, int64_t row) {
+  return static_cast<char*>(a.dx) + row * a.N * (a.dx_f32 ? 4 : static_cast<int64_t>(sizeof(TX)));
+}
+
+template <typename TX>
+__device__ __forceinline__ const void* extra_row(const BwdArgs& a, int64_t row) {
+  return static_cast<const char*>(a.extra) +
+         row * a.extra_stride * (a.extra_f32 ? 4 : static_cast<int64_t>(sizeof(TX)));
+}
+
+// TX: base (x) dtype; TH: h dtype; TD: dy dtype. ITERS packs per thread held in registers. dW partial sums live
+// in dynamic smem, planar ([row slot][j][pack], consecutive lanes -> consecutive words: conflict-free), each
+// word owned by one thread for the whole launch; at the end the row slots are summed in a fixed order and the
+// block writes one fp32 partial row (or dW itself when the grid is a single block).
+template <typename TX, typename TH, typename TD, int ITERS>
+__global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using HPack = Pack<TH, VEC>;
+  using DPack = Pack<TD, VEC>;
+  using EPackB = Pack<TX, VEC>;
+  using EPackF = Pack<float, VEC>;
+  extern __shared__ uint4 dyn_smem[];
+  __shared__ float red[64];
+
+  const int64_t M = a.M;
+  const int N = static_cast<int>(a.N), NV = (N + VEC - 1) / VEC;
+  const int tpr0 = a.tpr, lane0 = threadIdx.x % tpr0, rib = threadIdx.x / tpr0;
+  const int64_t groups = (M + a.rpb - 1) / a.rpb;
+  const bool has_extra = a.extra != nullptr;
+  const bool want_dw = a.partial != nullptr || a.direct_dw;
+  // dynamic smem: [dW: rpb * VEC * NV fp32 (when want_dw)] [h slots] [dy slots] [extra slots] (prefetch)
+  float* dws = reinterpret_cast<float*>(dyn_smem);
+  const int dw_words = want_dw ? a.rpb * VEC * NV : 0;
+  uint4* pf = dyn_smem + (dw_words + 3) / 4;
+  const int slots = a.rpb * NV;
+  HPack* h_slot = reinterpret_cast<HPack*>(pf) + rib * NV;
+  DPack* d_slot = reinterpret_cast<DPack*>(reinterpret_cast<HPack*>(pf) + slots) + rib * NV;
+  uint4* e_base = reinterpret_cast<uint4*>(reinterpret_cast<DPack*>(reinterpret_cast<HPack*>(pf) + slots) + slots);
+  EPackF* ef_slot = reinterpret_cast<EPackF*>(e_base) + rib * NV;
+  EPackB* eb_slot = reinterpret_cast<EPackB*>(e_base) + rib * NV;
+  float* my_dw = dws + rib * VEC * NV;  // [j][pack] for this row slot
+
+  // Two commit groups per row group: h/dy slots (refilled as soon as they are consumed) and the extra-gradient
+  // slots (refilled after dx is written). wait_all at the top of the loop covers both.
+  auto issue_hd = [&](int64_t g) {
+    int tpr = tpr0, lane = lane0;
+    opaque(tpr, lane);
+    const int64_t row = g * a.rpb + rib;
+    if (row < M) {
+      const TH* hr = static_cast<const TH*>(a.h) + row * a.h_stride;
+      const TD* dr = static_cast<const TD*>(a.dy) + row * a.dy_stride;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (v < NV) {
+          prefetch_pack(h_slot + v, hr, v * VEC, N);
+          prefetch_pack(d_slot + v, dr, v * VEC, N);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  auto issue_e = [&](int64_t g) {
+    int tpr = tpr0, lane = lane0;
+    opaque(tpr, lane);
+    const int64_t row = g * a.rpb + rib;
+    if (row < M) {
+      const void* er = extra_row<TX>(a, row);
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (v < NV) {
+          if (a.extra_f32) {
+            prefetch_pack(ef_slot + v, static_cast<const float*>(er), v * VEC, N);
+          } else {
+            prefetch_pack(eb_slot + v, static_cast<const TX*>(er), v * VEC, N);
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  if (want_dw) {
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int v = lane0 + i * tpr0;
+      if (v < NV)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) my_dw[j * NV + v] = 0.f;
+    }
+  }
+
+  int parity = 0;
+  int64_t g = blockIdx.x;
+  if (a.prefetch && g < groups) {
+    issue_hd(g);
+    if (has_extra) issue_e(g);
+  }
+  for (; g < groups; g += gridDim.x) {
+    int tpr = tpr0, lane = lane0;
+    opaque(tpr, lane);
+    const int64_t row = g * a.rpb + rib;
+    const bool valid = row < M;
+    const float rs = valid ? a.rstd[row] : 0.f;
+    HPack hv[ITERS];
+    DPack dv[ITERS];
+    if (a.prefetch) cp_async_wait_all();
+    {
+      const TH* hr = static_cast<const TH*>(a.h) + (valid ? row : 0) * a.h_stride;
+      const TD* dr = static_cast<const TD*>(a.dy) + (valid ? row : 0) * a.dy_stride;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (valid && v < NV) {
+          if (a.prefetch) {
+            hv[i] = h_slot[v];
+            dv[i] = d_slot[v];
+          } else {
+            load_pack<Ld::Stream>(hv[i], hr, v * VEC, N, a.vec_ok);
+            load_pack<Ld::Stream>(dv[i], dr, v * VEC, N, a.vec_ok);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            hv[i].v[j] = zero<TH>();
+            dv[i].v[j] = zero<TD>();
+          }
+        }
+      }
+    }
+    float dotv[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dotv[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int v = lane + i * tpr;
+      if (v < NV) {
+        float s[VEC];
+        load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xhat = to_float(hv[i].v[j]) * rs;
+          const float d = to_float(dv[i].v[j]);
+          dotv[j] += d * s[j] * xhat;
+          if (want_dw) my_dw[j * NV + v] += d * xhat;
+        }
+      }
+    }
+    // h/dy slots are consumed (dotv depends on all of them): refill them with the next row group now.
+    if (a.prefetch && g + gridDim.x < groups) issue_hd(g + gridDim.x);
+    const float c = row_reduce_sum(sum_vec(dotv), tpr, red, parity) / static_cast<float>(N);
+    if (valid) {
+      char* dxr = dx_row<TX>(a, row);
+      const void* er = has_extra ? extra_row<TX>(a, row) : nullptr;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int v = lane + i * tpr;
+        if (v < NV) {
+          float s[VEC], e[VEC], o[VEC];
+          load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+          if (has_extra) {
+            if (a.prefetch) {
+              if (a.extra_f32) {
+                const EPackF p = ef_slot[v];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) e[j] = p.v[j];
+              } else {
+                const EPackB p = eb_slot[v];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) e[j] = to_float(p.v[j]);
+              }
+            } else {
+              load_floats_rt<Ld::Stream, TX, VEC>(e, er, a.extra_f32, v * VEC, N, a.vec_ok);
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) e[j] = 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float xhat = to_float(hv[i].v[j]) * rs;
+            o[j] = rs * (to_float(dv[i].v[j]) * s[j] - xhat * c) + e[j];
+          }
+          store_floats_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, N, a.vec_ok, o);
+        }
+      }
+    }
+    if (a.prefetch && has_extra && g + gridDim.x < groups) issue_e(g + gridDim.x);
+  }
+  if (want_dw) {
+    __syncthreads();  // every row slot's partial sums are complete
+    // Sum the row slots in a fixed order; pack p of the block row is handled by thread p, p + blockDim, ...
+    float* prow = a.partial != nullptr ? a.partial + static_cast<int64_t>(blockIdx.x) * a.pstride : nullptr;
+    for (int v = threadIdx.x; v < NV; v += blockDim.x) {
+      float t[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float acc = 0.f;
+        for (int r = 0; r < a.rpb; ++r) acc += dws[(r * VEC + j) * NV + v];
+        t[j] = acc;
+      }
+      if (a.direct_dw) {
+        store_floats_rt<TX, VEC>(a.dw, a.w_f32, v * VEC, N, a.vec_ok, t);
+      } else {
+        // Whole packs up to pstride (columns >= N hold 0): the column sum reads float4s there.
+        store_floats<float, VEC>(prow, v * VEC, static_cast<int>(a.pstride), true, t);
+      }
+    }
+  }
+}
+
+// Rows wider than the register budget: per row, pass 1 (dot product, dW partial) and pass 2 (dx, from L2).
+template <typename TX, typename TH, typename TD>
+__global__ void __launch_bounds__(512, 1) rms_norm_bwd_wide_kernel(const BwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  // Packs in flight per thread: 4 while h + dy packs take 32 bytes (16-bit h and dy, or fp32 x), else 2 (mixed
+  // fp32/16-bit packs spill at 4 on sm_80/sm_100/sm_120).
+  constexpr int U = VEC * static_cast<int>(sizeof(TH) + sizeof(TD)) <= 32 ? 4 : 2;
+  using HPack = Pack<TH, VEC>;
+  using DPack = Pack<TD, VEC>;
+  using FPack = Pack<float, VEC>;
+  extern __shared__ uint4 dyn_smem[];
+  __shared__ float red[64];
+
+  const int64_t M = a.M;
+  const int N = static_cast<int>(a.N), NV = (N + VEC - 1) / VEC;
+  const int T = blockDim.x;
+  const bool want_dw = a.partial != nullptr;
+  // This block's dW partial row: in smem when it fits, else its global partial row. Thread t owns packs
+  // t, t + T, ... for every row, so the read-modify-writes never race.
+  FPack* acc = a.dw_smem ? reinterpret_cast<FPack*>(dyn_smem)
+                         : (want_dw ? reinterpret_cast<FPack*>(a.partial + static_cast<int64_t>(blockIdx.x) * a.pstride)
+                                    : nullptr);
+  if (want_dw)
+    for (int v = threadIdx.x; v < NV; v += T)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[v].v[j] = 0.f;
+
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const TH* hr = static_cast<const TH*>(a.h) + row * a.h_stride;
+    const TD* dr = static_cast<const TD*>(a.dy) + row * a.dy_stride;
+    const float rs = a.rstd[row];
+    float dotv[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dotv[j] = 0.f;
+    for (int v0 = threadIdx.x; v0 < NV; v0 += U * T) {
+      HPack hp[U];
+      DPack dp[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          load_pack<Ld::Keep>(hp[u], hr, v * VEC, N, a.vec_ok);
+          load_pack<Ld::Keep>(dp[u], dr, v * VEC, N, a.vec_ok);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          float s[VEC];
+          load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+          FPack accp;
+          if (want_dw) {
+            accp = acc[v];
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) accp.v[j] = 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float xhat = to_float(hp[u].v[j]) * rs;
+            const float d = to_float(dp[u].v[j]);
+            dotv[j] += d * s[j] * xhat;
+            accp.v[j] += d * xhat;
+          }
+          if (want_dw) acc[v] = accp;
+        }
+      }
+    }
+    const float c = row_reduce_sum(sum_vec(dotv), T, red, parity) / static_cast<float>(N);
+    char* dxr = dx_row<TX>(a, row);
+    const void* er = a.extra != nullptr ? extra_row<TX>(a, row) : nullptr;
+    for (int v0 = threadIdx.x; v0 < NV; v0 += U * T) {
+      HPack hp[U];
+      DPack dp[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          load_pack<Ld::Stream>(hp[u], hr, v * VEC, N, a.vec_ok);
+          load_pack<Ld::Stream>(dp[u], dr, v * VEC, N, a.vec_ok);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T;
+        if (v < NV) {
+          float s[VEC], e[VEC], o[VEC];
+          load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
+          if (er != nullptr) {
+            load_floats_rt<Ld::Stream, TX, VEC>(e, er, a.extra_f32, v * VEC, N, a.vec_ok);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) e[j] = 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float xhat = to_float(hp[u].v[j]) * rs;
+            o[j] = rs * (to_float(dp[u].v[j]) * s[j] - xhat * c) + e[j];
+          }
+          store_floats_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, N, a.vec_ok, o);
+        }
+      }
+    }
+  }
+  if (want_dw && a.dw_smem) {
+    FPack* prow = reinterpret_cast<FPack*>(a.partial + static_cast<int64_t>(blockIdx.x) * a.pstride);
+    for (int v = threadIdx.x; v < NV; v += T) prow[v] = acc[v];  // own slots: no barrier needed
+  }
+}
+
+// dw[c] = sum_p partial[p, c], p in a fixed order (deterministic). Block: 8 float4 column groups x 32 slices.
+template <typename TW>
+__global__ void __launch_bounds__(256) rms_norm_dw_column_sum_kernel(const float* __restrict__ partial,  // [P, ps]
+                                                                     int64_t pstride, int P, int64_t N,
+                                                                     TW* __restrict__ dw) {  // [N]
+  __shared__ float4 part[32][8];
+  const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 8 + tx) * 4;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (col < N) {
+    for (int p = ty; p < P; p += 32) {
+      const float4 t = *reinterpret_cast<const float4*>(partial + p * pstride + col);  // pstride % 4 == 0
+      s.x += t.x;
+      s.y += t.y;
+      s.z += t.z;
+      s.w += t.w;
+    }
+  }
+  part[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && col < N) {
+    float4 t = part[0][tx];
+    for (int k = 1; k < 32; ++k) {
+      const float4 q = part[k][tx];
+      t.x += q.x;
+      t.y += q.y;
+      t.z += q.z;
+      t.w += q.w;
+    }
+    const float r[4] = {t.x, t.y, t.z, t.w};
+    for (int j = 0; j < 4 && col + j < N; ++j) dw[col + j] = from_float<TW>(r[j]);
+  }
+}
+
+// ---- host: device facts, occupancy, tuning knobs -------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+constexpr int kRowsMaxThreads = 512;
+constexpr int64_t kMaxN = (1ll << 31) - 1024;  // column indices are 32-bit  // threads per row in the rows kernels (their __launch_bounds__)
+constexpr int kStaticSmemMargin = 1024;  // static smem (256 B) + headroom, subtracted from the opt-in maximum
+
+struct DeviceInfo {
+  int sms = 0;
+  int smem_optin = 0;  // max dynamic + static smem per block with the opt-in attribute
+  int major = 0;
+};
+
+// Queried once per device and cached. (A mutex, not std::call_once: call_once binds pthread_once@GLIBC_2.34,
+// which breaks manylinux_2_28.)
+const DeviceInfo& device_info(int dev) {
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
+  static DeviceInfo infos[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  static std::mutex mu;
+  if (!ready[dev].load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[dev].load(std::memory_order_relaxed)) {
+      DeviceInfo d;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+      infos[dev] = d;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
+  return infos[dev];
+}
+
+int64_t smem_budget(const DeviceInfo& d) { return std::max<int64_t>(0, d.smem_optin - kStaticSmemMargin); }
+
+// Resident blocks per SM for (kernel, threads, dynamic smem) on `dev`, cached. The first use of a kernel on a
+// device raises its dynamic-smem limit to the device maximum, so every later launch of it may use any size
+// up to smem_budget(). 0 means the configuration cannot launch.
+int blocks_per_sm(const void* kernel, int threads, int64_t smem, int dev) {
+  struct Key {
+    const void* k;
+    int dev, threads;
+    int64_t smem;
+    bool operator==(const Key& o) const { return k == o.k && dev == o.dev && threads == o.threads && smem == o.smem; }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.k) ^ (static_cast<size_t>(k.smem) * 1000003u) ^
+             (static_cast<size_t>(k.threads) << 20) ^ static_cast<size_t>(k.dev);
+    }
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, int, Hash> occ;
+  static std::unordered_map<const void*, unsigned long long> raised;  // kernel -> bitmask of devices
+  std::lock_guard<std::mutex> lock(mu);
+  const Key key{kernel, dev, threads, smem};
+  if (auto it = occ.find(key); it != occ.end()) return it->second;
+  unsigned long long& mask = raised[kernel];
+  if (!(mask & (1ull << dev))) {
+    const int optin = device_info(dev).smem_optin;
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    const int dyn_max = optin - static_cast<int>(attr.sharedSizeBytes);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_max));
+    mask |= 1ull << dev;
+  }
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cached[device] = n;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, static_cast<size_t>(smem)));
+  occ.emplace(key, n);
   return n;
 }
 
-void check_rows_cuda(const at::Tensor& t, const char* name) {
+// Local memory (register spills) per thread of `kernel` as compiled for device `dev`, cached. The rows kernels
+// are spill-free on sm_90 (see header) but the register allocation differs per architecture (sm_100/sm_120 spill
+// at 16 packs per thread): a variant that spills on this device is replaced by one with fewer packs per thread,
+// or by the wide kernel.
+bool kernel_spills(const void* kernel, int dev) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, unsigned long long> known, spills;  // kernel -> device bitmasks
+  std::lock_guard<std::mutex> lock(mu);
+  const unsigned long long bit = 1ull << dev;
+  unsigned long long& k = known[kernel];
+  unsigned long long& sp = spills[kernel];
+  if (!(k & bit)) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (attr.localSizeBytes > 0) sp |= bit;
+    k |= bit;
+  }
+  return (sp & bit) != 0;
+}
+
+// Knobs for the H200 tuning sweep (defaults are the shipped choices). Parsed once.
+struct Tuning {
+  bool fwd_prefetch = true;
+  bool bwd_prefetch = true;
+  bool bwd_dw_smem = true;
+  int wide_threads = 512;
+  int fwd_iters = 0;  // 0: table; else force packs per thread (clamped to the register budget)
+  int bwd_iters = 0;
+};
+
+const Tuning& tuning() {
+  static const Tuning t = [] {
+    Tuning r;
+    const char* env = std::getenv("FUSED_MLP_RMS_NORM_TUNE");
+    if (env == nullptr) return r;
+    std::string s(env);
+    size_t pos = 0;
+    while (pos < s.size()) {
+      size_t end = s.find(',', pos);
+      if (end == std::string::npos) end = s.size();
+      const std::string item = s.substr(pos, end - pos);
+      const size_t eq = item.find('=');
+      if (eq != std::string::npos) {
+        const std::string k = item.substr(0, eq);
+        const int v = std::atoi(item.c_str() + eq + 1);
+        if (k == "fwd_prefetch") r.fwd_prefetch = v != 0;
+        else if (k == "bwd_prefetch") r.bwd_prefetch = v != 0;
+        else if (k == "bwd_dw_smem") r.bwd_dw_smem = v != 0;
+        else if (k == "wide_threads" && (v == 128 || v == 256 || v == 512)) r.wide_threads = v;
+        else if (k == "fwd_iters" && (v == 1 || v == 2 || v == 4 || v == 8)) r.fwd_iters = v;
+        else if (k == "bwd_iters" && (v == 1 || v == 2 || v == 4)) r.bwd_iters = v;
+      }
+      pos = end + 1;
+    }
+    return r;
+  }();
+  return t;
+}
+
+// ---- host: the config table -------------------------------------------------------------------------------
+
+struct RowsConfig {
+  int iters = 1, tpr = 1, rpb = 1;
+  int threads() const { return tpr * rpb; }
+};
+
+int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Packs per thread from the row length in packs (NV): short rows take few packs per thread and many rows per
+// block; long rows take more packs per thread so the threads per row stay <= max_tpr. `forced` (tuning) and
+// the register budget `max_iters` bound the choice; the caller guarantees NV <= max_iters * max_tpr.
+// `four_up_to`: the largest NV that still takes 4 packs per thread (fwd 1024 -> tpr <= 256 and more blocks per
+// SM; bwd 2048 -> 512 threads per block, since its smem (dW + prefetch) allows one block per SM at N = 16384).
+RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64_t M, int sms, int64_t four_up_to,
+                       int64_t max_rpb = 0) {
+  RowsConfig c;
+  int iters = NV <= 32 ? 1 : NV <= 128 ? 2 : NV <= four_up_to ? 4 : NV <= 4096 ? 8 : 16;
+  if (forced > 0) iters = forced;
+  iters = std::min(iters, max_iters);
+  while (iters < max_iters && (NV + iters - 1) / iters > max_tpr) iters *= 2;
+  c.iters = iters;
+  const int64_t need = std::max<int64_t>(1, (NV + iters - 1) / iters);
+  c.tpr = need <= 32 ? next_pow2(need) : static_cast<int>((need + 31) / 32 * 32);
+  int rpb = std::max(1, 256 / c.tpr);
+  // Small M: one row group per SM before packing rows together (latency: all SMs work on a short batch).
+  const int64_t per_sm = std::max<int64_t>(1, (M + sms - 1) / sms);
+  if (rpb > per_sm) rpb = static_cast<int>(per_sm);
+  const int min_rpb = c.tpr < 32 ? 32 / c.tpr : 1;  // blocks are whole warps
+  if (max_rpb > 0) rpb = static_cast<int>(std::min<int64_t>(rpb, std::max<int64_t>(max_rpb / min_rpb * min_rpb, 1)));
+  c.rpb = (rpb + min_rpb - 1) / min_rpb * min_rpb;
+  return c;
+}
+
+bool rows_aligned16(const at::Tensor& t) {
+  const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return (p & 15) == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
+}
+
+// A contiguous [M, N] output (any rank): base pointer and row pitch N * elem_size 16-byte aligned.
+bool out_rows_aligned16(const at::Tensor& t, int64_t M, int64_t N) {
+  const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return (p & 15) == 0 && (M <= 1 || (N * t.element_size()) % 16 == 0);
+}
+
+// [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
+// tensors here, so this never copies in practice).
+at::Tensor as_rows_view(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
+  return t.reshape({m, t.size(-1)});
+}
+
+bool ptr_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_rows_cuda(const at::Tensor& t, const char* name, const at::Tensor& ref) {
   TORCH_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == ref.device(), "fused_mlp: ", name, " is on ", t.device(), " but expected ", ref.device());
   TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
   TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must have unit stride along hidden");
+}
+
+bool is_base_or_f32(at::ScalarType t, at::ScalarType base) { return t == base || t == at::kFloat; }
+
+// Host dispatch of the base (x) dtype and of a dtype that is the base or fp32.
+template <typename F>
+void dispatch_base(at::ScalarType t, F&& f) { dispatch_float(t, "x", std::forward<F>(f)); }
+
+template <typename TB, typename F>
+void dispatch_b_or_f32(bool f32, F&& f) {
+  if (f32) {
+    f(float{});
+  } else {
+    f(TB{});
+  }
+}
+
+template <int... Is, typename F>
+void dispatch_int(int v, F&& f) {
+  bool done = false;
+  ((v == Is && !done ? (f(std::integral_constant<int, Is>{}), done = true) : false), ...);
+  TORCH_CHECK(done, "fused_mlp: internal error: unsupported config value ", v);
 }
 
 }  // namespace
@@ -125,47 +1092,149 @@ void check_rows_cuda(const at::Tensor& t, const char* name) {
 using namespace fused_mlp::cuda;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
     double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype) {
-  check_rows_cuda(x, "x");
+  // [..., N] inputs are viewed as [M, N] rows here (cheap in C++); outputs take x's shape.
+  TORCH_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
+  const at::Tensor x = as_rows_view(x_in);
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() ? std::optional<at::Tensor>(as_rows_view(*residual_in)) : std::nullopt;
+  check_rows_cuda(x, "x", x);
   const int64_t M = x.size(0), N = x.size(1);
+  TORCH_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
+  const at::ScalarType xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
+              "fused_mlp: x must be float32/float16/bfloat16, got ", xt);
+  const at::ScalarType h_dtype = residual_dtype.value_or(xt);
+  TORCH_CHECK(is_base_or_f32(h_dtype, xt), "fused_mlp: residual_dtype must be x's dtype or float32, got ", h_dtype);
+  TORCH_CHECK(is_base_or_f32(out_dtype, xt), "fused_mlp: out_dtype must be x's dtype or float32, got ", out_dtype);
   if (residual.has_value()) {
-    check_rows_cuda(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "fused_mlp: residual shape mismatch");
+    check_rows_cuda(*residual, "residual", x);
+    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "fused_mlp: residual shape ", residual_in->sizes(),
+                " != x shape ", x_in.sizes());
+    TORCH_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype ", residual->scalar_type(),
+                " must equal residual_dtype ", h_dtype);
   }
-  if (weight.has_value())
-    TORCH_CHECK(weight->is_cuda() && weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be a contiguous CUDA tensor [", N, "]");
-  const at::ScalarType h_dtype = residual_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(!residual.has_value() || residual->scalar_type() == h_dtype,
-              "fused_mlp: residual dtype must equal residual_dtype");
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->is_cuda() && weight->device() == x.device(), "fused_mlp: weight must be on ", x.device());
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+                "fused_mlp: weight must be contiguous [", N, "]");
+    TORCH_CHECK(is_base_or_f32(weight->scalar_type(), xt), "fused_mlp: weight must be x's dtype or float32, got ",
+                weight->scalar_type());
+  }
   c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({M, N}, x.options().dtype(out_dtype));
-  auto h = residual.has_value() ? at::empty({M, N}, x.options().dtype(h_dtype)) : at::empty({0}, x.options());
+  auto y = at::empty(x_in.sizes(), x.options().dtype(out_dtype));
+  auto h = residual.has_value() ? at::empty(x_in.sizes(), x.options().dtype(h_dtype)) : at::empty({0}, x.options());
   auto rstd = at::empty({M}, x.options().dtype(at::kFloat));
   if (M == 0) return {y, h, rstd};
+
+  const int dev = x.get_device();
+  const DeviceInfo& info = device_info(dev);
+  const Tuning& tune = tuning();
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const at::ScalarType w_dtype = weight.has_value() ? weight->scalar_type() : x.scalar_type();
-  dispatch_float(x.scalar_type(), "x", [&](auto xt) {
-    using TX = decltype(xt);
-    dispatch_base_or_float<TX>(h_dtype, "residual", [&](auto rt) {
-      using TR = decltype(rt);
-      dispatch_base_or_float<TX>(w_dtype, "weight", [&](auto wt) {
-        using TW = decltype(wt);
-        dispatch_base_or_float<TX>(out_dtype, "out", [&](auto ot) {
-          using TO = decltype(ot);
-          rms_norm_fwd_kernel<TX, TR, TW, TO><<<static_cast<unsigned>(M), kThreads, 0, stream>>>(
-              static_cast<const TX*>(x.const_data_ptr()), x.stride(0),
-              residual.has_value() ? static_cast<const TR*>(residual->const_data_ptr()) : nullptr,
-              residual.has_value() ? residual->stride(0) : 0,
-              residual.has_value() ? static_cast<TR*>(h.data_ptr()) : nullptr, N,
-              weight.has_value() ? static_cast<const TW*>(weight->const_data_ptr()) : nullptr,
-              static_cast<TO*>(y.data_ptr()), rstd.data_ptr<float>(), N, static_cast<float>(eps),
-              static_cast<float>(offset));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool has_res = residual.has_value();
+
+  FwdArgs a{};
+  a.x = x.const_data_ptr();
+  a.x_stride = x.stride(0);
+  a.res = has_res ? residual->const_data_ptr() : nullptr;
+  a.res_stride = has_res ? residual->stride(0) : 0;
+  a.h = has_res ? h.data_ptr() : nullptr;
+  a.w = weight.has_value() ? weight->const_data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.rstd = rstd.data_ptr<float>();
+  a.M = M;
+  a.N = N;
+  a.eps = static_cast<float>(eps);
+  a.offset = static_cast<float>(offset);
+  a.w_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
+  a.y_f32 = out_dtype == at::kFloat;
+  a.vec_ok = rows_aligned16(x) && out_rows_aligned16(y, M, N) &&
+             (!has_res || (rows_aligned16(*residual) && out_rows_aligned16(h, M, N))) &&
+             (a.w == nullptr || ptr_aligned16(a.w));
+
+  dispatch_base(xt, [&](auto xtag) {
+    using TX = decltype(xtag);
+    constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+    const int64_t NV = (N + VEC - 1) / VEC;
+    auto run = [&](auto htag, auto res_tag) {
+      using TH = decltype(htag);
+      constexpr bool RES = decltype(res_tag)::value;
+      constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
+      constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
+      const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;
+      auto rows_kernel = [](int iters) -> const void* {
+        const void* k = nullptr;
+        dispatch_int<1, 2, 4, 8, 16>(iters, [&](auto it) {
+          if constexpr (decltype(it)::value <= kMaxIters)
+            k = reinterpret_cast<const void*>(&rms_norm_fwd_rows_kernel<TX, TH, RES, decltype(it)::value>);
         });
-      });
-    });
+        return k;
+      };
+      bool use_rows = NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads;
+      RowsConfig c;
+      if (use_rows) {
+        c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.fwd_iters, M, info.sms, 1024);
+        while (kernel_spills(rows_kernel(c.iters), dev)) {
+          if (c.iters == 1 || NV > static_cast<int64_t>(c.iters / 2) * kRowsMaxThreads) {
+            use_rows = false;  // fewer packs per thread cannot cover the row: the wide kernel does not spill
+            break;
+          }
+          c = rows_config(NV, c.iters / 2, kRowsMaxThreads, 0, M, info.sms, 1024);
+        }
+      }
+      if (use_rows) {
+        a.tpr = c.tpr;
+        a.rpb = c.rpb;
+        const int64_t groups = (M + c.rpb - 1) / c.rpb;
+        dispatch_int<1, 2, 4, 8, 16>(c.iters, [&](auto it) {
+          constexpr int ITERS = decltype(it)::value;
+          if constexpr (ITERS <= kMaxIters) {
+            const void* kern = reinterpret_cast<const void*>(&rms_norm_fwd_rows_kernel<TX, TH, RES, ITERS>);
+            int64_t smem = 0;
+            int grid = 0;
+            const int64_t pf_smem = c.rpb * NV * (16 + res_unit_bytes);
+            if (tune.fwd_prefetch && a.vec_ok && info.major >= 8 && groups > info.sms && pf_smem <= smem_budget(info)) {
+              const int occ = blocks_per_sm(kern, c.threads(), pf_smem, dev);
+              const int64_t g = std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ);
+              if (occ > 0 && groups > g) {  // some block has a next group to prefetch
+                smem = pf_smem;
+                grid = static_cast<int>(g);
+              }
+            }
+            a.prefetch = smem > 0;
+            if (!a.prefetch) {
+              const int occ = std::max(1, blocks_per_sm(kern, c.threads(), 0, dev));
+              grid = static_cast<int>(std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ));
+            }
+            rms_norm_fwd_rows_kernel<TX, TH, RES, ITERS>
+                <<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          } else {
+            TORCH_CHECK(false, "fused_mlp: internal error: rms_norm fwd config exceeds the register budget");
+          }
+        });
+      } else {
+        const void* kern = reinterpret_cast<const void*>(&rms_norm_fwd_wide_kernel<TX, TH, RES>);
+        const int threads = tune.wide_threads;
+        const int64_t cache_smem = NV * 16 * kHeldUnits;
+        a.cache = cache_smem <= smem_budget(info);
+        int occ = a.cache ? blocks_per_sm(kern, threads, cache_smem, dev) : 0;
+        if (occ == 0) {
+          a.cache = false;
+          occ = std::max(1, blocks_per_sm(kern, threads, 0, dev));
+        }
+        const int grid = static_cast<int>(std::min<int64_t>(M, static_cast<int64_t>(info.sms) * occ));
+        rms_norm_fwd_wide_kernel<TX, TH, RES>
+            <<<grid, threads, static_cast<size_t>(a.cache ? cache_smem : 0), stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    if (!has_res) {
+      run(TX{}, std::false_type{});
+    } else {
+      dispatch_b_or_f32<TX>(h_dtype == at::kFloat, [&](auto htag) { run(htag, std::true_type{}); });
+    }
   });
   return {y, h, rstd};
 }
@@ -173,59 +1242,182 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
     const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw) {
-  check_rows_cuda(dy, "dy");
-  check_rows_cuda(h, "h");
+  check_rows_cuda(h, "h", h);
+  check_rows_cuda(dy, "dy", h);
   const int64_t M = h.size(0), N = h.size(1);
-  TORCH_CHECK(dy.sizes() == h.sizes(), "fused_mlp: dy shape mismatch");
-  TORCH_CHECK(rstd.is_cuda() && rstd.dim() == 1 && rstd.size(0) == M && rstd.scalar_type() == at::kFloat &&
-                  rstd.is_contiguous(),
-              "fused_mlp: rstd must be contiguous float32 [", M, "]");
+  TORCH_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
+  TORCH_CHECK(dy.sizes() == h.sizes(), "fused_mlp: dy shape ", dy.sizes(), " != h shape ", h.sizes());
+  TORCH_CHECK(rstd.is_cuda() && rstd.device() == h.device() && rstd.dim() == 1 && rstd.size(0) == M &&
+                  rstd.scalar_type() == at::kFloat && rstd.is_contiguous(),
+              "fused_mlp: rstd must be a contiguous float32 CUDA tensor [", M, "]");
+  // Base dtype: the 16-bit dtype among (dx, h, dy, weight), else fp32. Every tensor is the base or fp32.
+  at::ScalarType base = at::kFloat;
+  for (at::ScalarType t : {dx_dtype, h.scalar_type(), dy.scalar_type(),
+                           weight.has_value() ? weight->scalar_type() : at::kFloat,
+                           dh_extra.has_value() ? dh_extra->scalar_type() : at::kFloat})
+    if (t != at::kFloat) base = t;
+  TORCH_CHECK(base == at::kFloat || base == at::kHalf || base == at::kBFloat16,
+              "fused_mlp: rms_norm_bwd dtypes must be float32/float16/bfloat16");
+  TORCH_CHECK(is_base_or_f32(dx_dtype, base) && is_base_or_f32(h.scalar_type(), base) &&
+                  is_base_or_f32(dy.scalar_type(), base),
+              "fused_mlp: rms_norm_bwd mixes 16-bit dtypes (dx ", dx_dtype, ", h ", h.scalar_type(), ", dy ",
+              dy.scalar_type(), "); each must be float32 or one common 16-bit dtype");
   if (dh_extra.has_value()) {
-    check_rows_cuda(*dh_extra, "dh_extra");
-    TORCH_CHECK(dh_extra->sizes() == h.sizes(), "fused_mlp: dh_extra shape mismatch");
+    check_rows_cuda(*dh_extra, "dh_extra", h);
+    TORCH_CHECK(dh_extra->sizes() == h.sizes(), "fused_mlp: dh_extra shape ", dh_extra->sizes(), " != ", h.sizes());
+    TORCH_CHECK(is_base_or_f32(dh_extra->scalar_type(), base), "fused_mlp: dh_extra dtype ",
+                dh_extra->scalar_type(), " must be float32 or ", base);
   }
-  if (weight.has_value())
-    TORCH_CHECK(weight->is_cuda() && weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be a contiguous CUDA tensor [", N, "]");
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->is_cuda() && weight->device() == h.device(), "fused_mlp: weight must be on ", h.device());
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+                "fused_mlp: weight must be contiguous [", N, "]");
+    TORCH_CHECK(is_base_or_f32(weight->scalar_type(), base), "fused_mlp: weight dtype ", weight->scalar_type(),
+                " must be float32 or ", base);
+  }
   c10::cuda::CUDAGuard guard(h.device());
   const bool want_dw = compute_dw && weight.has_value();
   auto dx = at::empty({M, N}, h.options().dtype(dx_dtype));
+  if (M == 0 || N == 0) {
+    at::Tensor dw = want_dw ? at::zeros({N}, weight->options()) : at::empty({0}, h.options());
+    return {dx, dw};
+  }
   at::Tensor dw = want_dw ? at::empty({N}, weight->options()) : at::empty({0}, h.options());
-  if (want_dw && M == 0) dw.zero_();
-  if (M == 0) return {dx, dw};
+
+  const int dev = h.get_device();
+  const DeviceInfo& info = device_info(dev);
+  const Tuning& tune = tuning();
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int blocks = static_cast<int>(std::min<int64_t>(M, 2 * sm_count(h.get_device())));
-  at::Tensor partial = want_dw ? at::empty({blocks, N}, h.options().dtype(at::kFloat)) : at::Tensor();
-  const at::ScalarType w_dtype = weight.has_value() ? weight->scalar_type() : dx_dtype;
-  const at::ScalarType e_dtype = dh_extra.has_value() ? dh_extra->scalar_type() : dx_dtype;
-  dispatch_float(dx_dtype, "dx", [&](auto xt) {
-    using TX = decltype(xt);
-    dispatch_base_or_float<TX>(h.scalar_type(), "h", [&](auto ht) {
-      using TH = decltype(ht);
-      dispatch_base_or_float<TX>(dy.scalar_type(), "dy", [&](auto dt) {
-        using TD = decltype(dt);
-        dispatch_base_or_float<TX>(w_dtype, "weight", [&](auto wt) {
-          using TW = decltype(wt);
-          dispatch_base_or_float<TX>(e_dtype, "dh_extra", [&](auto et) {
-            using TE = decltype(et);
-            rms_norm_bwd_kernel<TH, TD, TW, TX, TE><<<blocks, kThreads, 0, stream>>>(
-                static_cast<const TD*>(dy.const_data_ptr()), dy.stride(0), static_cast<const TH*>(h.const_data_ptr()),
-                h.stride(0), rstd.const_data_ptr<float>(),
-                weight.has_value() ? static_cast<const TW*>(weight->const_data_ptr()) : nullptr,
-                dh_extra.has_value() ? static_cast<const TE*>(dh_extra->const_data_ptr()) : nullptr,
-                dh_extra.has_value() ? dh_extra->stride(0) : 0, static_cast<TX*>(dx.data_ptr()),
-                want_dw ? partial.data_ptr<float>() : nullptr, M, N, static_cast<float>(offset));
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool has_extra = dh_extra.has_value();
+
+  BwdArgs a{};
+  a.dy = dy.const_data_ptr();
+  a.dy_stride = dy.stride(0);
+  a.h = h.const_data_ptr();
+  a.h_stride = h.stride(0);
+  a.rstd = rstd.const_data_ptr<float>();
+  a.w = weight.has_value() ? weight->const_data_ptr() : nullptr;
+  a.extra = has_extra ? dh_extra->const_data_ptr() : nullptr;
+  a.extra_stride = has_extra ? dh_extra->stride(0) : 0;
+  a.dx = dx.data_ptr();
+  a.dw = want_dw ? dw.data_ptr() : nullptr;
+  a.M = M;
+  a.N = N;
+  a.offset = static_cast<float>(offset);
+  a.w_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
+  a.extra_f32 = has_extra && dh_extra->scalar_type() == at::kFloat;
+  a.dx_f32 = dx_dtype == at::kFloat;
+  a.vec_ok = rows_aligned16(h) && rows_aligned16(dy) && rows_aligned16(dx) &&
+             (!has_extra || rows_aligned16(*dh_extra)) && (a.w == nullptr || ptr_aligned16(a.w)) &&
+             (!want_dw || ptr_aligned16(a.dw));
+  at::Tensor partial;
+  int partial_rows = 0;
+
+  dispatch_base(base, [&](auto xtag) {
+    using TX = decltype(xtag);
+    constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+    const int64_t NV = (N + VEC - 1) / VEC;
+    a.pstride = NV * VEC;  // a multiple of VEC (and of 4): partial rows are 16-byte aligned
+    dispatch_b_or_f32<TX>(h.scalar_type() == at::kFloat, [&](auto htag) {
+      using TH = decltype(htag);
+      dispatch_b_or_f32<TX>(dy.scalar_type() == at::kFloat, [&](auto dtag) {
+        using TD = decltype(dtag);
+        constexpr int kMaxIters = bwd_max_iters<TX, TH, TD>();
+        const int64_t row_bytes = NV * VEC *
+            (static_cast<int64_t>(sizeof(TH)) + static_cast<int64_t>(sizeof(TD)) +
+             (has_extra ? (a.extra_f32 ? 4 : static_cast<int64_t>(sizeof(TX))) : 0));
+        const int64_t dw_bytes_per_slot = want_dw ? NV * VEC * 4 : 0;
+        const int64_t max_rpb = want_dw ? smem_budget(info) / std::max<int64_t>(dw_bytes_per_slot, 1) : 0;
+        auto rows_kernel = [](int iters) -> const void* {
+          const void* k = nullptr;
+          dispatch_int<1, 2, 4, 8>(iters, [&](auto it) {
+            if constexpr (decltype(it)::value <= kMaxIters)
+              k = reinterpret_cast<const void*>(&rms_norm_bwd_rows_kernel<TX, TH, TD, decltype(it)::value>);
           });
-        });
+          return k;
+        };
+        bool use_rows = NV <= static_cast<int64_t>(kMaxIters) * kRowsMaxThreads && dw_bytes_per_slot <= smem_budget(info);
+        RowsConfig c;
+        if (use_rows) {
+          c = rows_config(NV, kMaxIters, kRowsMaxThreads, tune.bwd_iters, M, info.sms, 2048, max_rpb);
+          while (kernel_spills(rows_kernel(c.iters), dev)) {
+            if (c.iters == 1 || NV > static_cast<int64_t>(c.iters / 2) * kRowsMaxThreads) {
+              use_rows = false;
+              break;
+            }
+            c = rows_config(NV, c.iters / 2, kRowsMaxThreads, 0, M, info.sms, 2048, max_rpb);
+          }
+        }
+        if (use_rows) {
+          a.tpr = c.tpr;
+          a.rpb = c.rpb;
+          const int64_t groups = (M + c.rpb - 1) / c.rpb;
+          dispatch_int<1, 2, 4, 8>(c.iters, [&](auto it) {
+            constexpr int ITERS = decltype(it)::value;
+            if constexpr (ITERS <= kMaxIters) {
+              const void* kern = reinterpret_cast<const void*>(&rms_norm_bwd_rows_kernel<TX, TH, TD, ITERS>);
+              const int64_t dw_smem = (c.rpb * dw_bytes_per_slot + 15) / 16 * 16;
+              int64_t smem = dw_smem;
+              int grid = 0;
+              const int64_t pf_smem = dw_smem + c.rpb * row_bytes;
+              a.prefetch = false;
+              if (tune.bwd_prefetch && a.vec_ok && info.major >= 8 && groups > info.sms &&
+                  pf_smem <= smem_budget(info)) {
+                const int occ = blocks_per_sm(kern, c.threads(), pf_smem, dev);
+                const int64_t g = std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ);
+                if (occ > 0 && groups > g) {
+                  smem = pf_smem;
+                  grid = static_cast<int>(g);
+                  a.prefetch = true;
+                }
+              }
+              if (!a.prefetch) {
+                const int occ = blocks_per_sm(kern, c.threads(), smem, dev);
+                TORCH_CHECK(occ > 0, "fused_mlp: internal error: rms_norm bwd config does not fit (N=", N, ")");
+                grid = static_cast<int>(std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ));
+              }
+              partial_rows = grid;
+              a.direct_dw = want_dw && grid == 1;
+              if (want_dw && !a.direct_dw) {
+                partial = at::empty({partial_rows, a.pstride}, h.options().dtype(at::kFloat));
+                a.partial = partial.data_ptr<float>();
+              }
+              rms_norm_bwd_rows_kernel<TX, TH, TD, ITERS><<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            } else {
+              TORCH_CHECK(false, "fused_mlp: internal error: rms_norm bwd config exceeds the register budget");
+            }
+          });
+        } else {
+          const void* kern = reinterpret_cast<const void*>(&rms_norm_bwd_wide_kernel<TX, TH, TD>);
+          const int threads = tune.wide_threads;
+          const int64_t dw_smem = NV * VEC * 4;
+          a.dw_smem = want_dw && tune.bwd_dw_smem && dw_smem <= smem_budget(info);
+          int occ = a.dw_smem ? blocks_per_sm(kern, threads, dw_smem, dev) : 0;
+          if (occ == 0) {
+            a.dw_smem = false;
+            occ = std::max(1, blocks_per_sm(kern, threads, 0, dev));
+          }
+          const int grid = static_cast<int>(std::min<int64_t>(M, static_cast<int64_t>(info.sms) * occ));
+          partial_rows = grid;
+          if (want_dw) {
+            partial = at::empty({partial_rows, a.pstride}, h.options().dtype(at::kFloat));
+            a.partial = partial.data_ptr<float>();
+          }
+          rms_norm_bwd_wide_kernel<TX, TH, TD>
+              <<<grid, threads, static_cast<size_t>(a.dw_smem ? dw_smem : 0), stream>>>(a);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
       });
     });
   });
-  if (want_dw) {
-    dispatch_float(dw.scalar_type(), "weight", [&](auto wt) {
-      using TW = decltype(wt);
-      column_sum_kernel<TW><<<ceil_div(N, 256), 256, 0, stream>>>(partial.data_ptr<float>(), blocks, N,
-                                                                 static_cast<TW*>(dw.data_ptr()));
+
+  if (a.partial != nullptr) {
+    dispatch_float(dw.scalar_type(), "weight", [&](auto wtag) {
+      using TW = decltype(wtag);
+      const int blocks = static_cast<int>((N + 31) / 32);
+      rms_norm_dw_column_sum_kernel<TW><<<blocks, 256, 0, stream>>>(a.partial, a.pstride, partial_rows, N,
+                                                                    static_cast<TW*>(dw.data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -3,15 +3,17 @@
 Shapes: ``x`` and ``residual`` ``[..., N]``, ``weight`` ``[N]``. The kernels do all math in fp32 and round each
 output once; with a residual, ``h`` is rounded to ``residual_dtype`` and exactly that value is normalised (it is
 what the residual stream carries). Backward is one pass over the rows for ``dx`` plus per-block fp32 ``dW``
-partials reduced in a fixed order (deterministic).
+partials reduced in a fixed order (deterministic). Without autograd (inference, ``no_grad``) the call goes
+straight to the kernel, skipping the autograd.Function.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._common import (
-    as_rows,
     check_device,
     check_dtype_arg,
     check_finite,
@@ -22,19 +24,21 @@ from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
+_INF = float("inf")
+
 
 # ---- custom ops: fake implementations for torch.compile --------------------------------------------------
 
 
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm_fwd"))
 def _rms_norm_fwd_fake(x, residual, weight, eps, offset, out_dtype, residual_dtype):
-    m, n = x.shape
-    y = x.new_empty((m, n), dtype=out_dtype)
+    # x: [..., N] (the op views the leading dims as rows); y and h take x's shape, rstd is [rows].
+    y = x.new_empty(x.shape, dtype=out_dtype)
     if residual is not None:
-        h = x.new_empty((m, n), dtype=residual_dtype if residual_dtype is not None else x.dtype)
+        h = x.new_empty(x.shape, dtype=residual_dtype if residual_dtype is not None else x.dtype)
     else:
         h = x.new_empty((0,))
-    return y, h, x.new_empty((m,), dtype=torch.float32)
+    return y, h, x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm_bwd"))
@@ -44,49 +48,68 @@ def _rms_norm_bwd_fake(dy, h, rstd, weight, dh_extra, offset, dx_dtype, compute_
     return dx, dw
 
 
+# The OpOverloads themselves: calling them skips the OpOverloadPacket's overload resolution (~1 us per call).
+_fwd = ops.rms_norm_fwd.default
+_bwd = ops.rms_norm_bwd.default
+
+
 # ---- autograd ---------------------------------------------------------------------------------------------
 
 
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit stride along n (any row stride), a view where the strides allow."""
+    if t.dim() != 2:
+        t = t.reshape(-1, n) if n > 0 else t.reshape(math.prod(t.shape[:-1]), 0)
+    return t if (n <= 1 or t.stride(1) == 1) else t.contiguous()
+
+
+def _grad_in(g: torch.Tensor, n: int, base: torch.dtype) -> torch.Tensor:
+    """An incoming gradient as kernel rows: [rows, n], unit stride, fp32 or the base dtype (kept uncast)."""
+    if g.dtype != base and g.dtype != torch.float32:
+        g = g.float()
+    return _as_rows(g, n)  # grads may be expanded (stride 0) views
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """Inputs are already 2-D rows (reshaped before ``apply`` so ranks stay stable under torch.compile)."""
+    """Inputs are already 2-D rows (reshaped before ``apply`` so ranks stay stable under torch.compile).
+
+    Classic ``forward(ctx, ...)`` form on purpose: with a separate ``setup_context`` torch binds the arguments
+    through ``inspect.signature`` on every ``apply`` (~100 us per call on a slow CPU)."""
 
     @staticmethod
-    def forward(x, residual, weight, eps, offset, out_dtype, residual_dtype):
-        return ops.rms_norm_fwd(x, residual, weight, eps, offset, out_dtype, residual_dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, residual, weight, eps, offset, out_dtype, residual_dtype = inputs
-        _, h, rstd = output
+    def forward(ctx, x, residual, weight, eps, offset, out_dtype, residual_dtype):
+        y, h, rstd = _fwd(x, residual, weight, eps, offset, out_dtype, residual_dtype)
         ctx.save_for_backward(h if residual is not None else x, rstd, weight)
         ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)  # an unused y or h gets no zero-filled gradient tensor
         ctx.offset = offset
         ctx.has_residual = residual is not None
         ctx.x_dtype = x.dtype
+        ctx.out_dtype = out_dtype
         ctx.residual_dtype = residual.dtype if residual is not None else None
         # fp32 gradients arriving at bf16/fp16 outputs reach the kernel uncast (the kernel reads either).
         declare_grad_dtypes(ctx, None, None, None)
+        return y, h, rstd
 
     @staticmethod
     def backward(ctx, dy, dh, _drstd):
         h, rstd, weight = ctx.saved_tensors
         n = h.shape[1]
-        dy = as_rows(dy, n)  # incoming grads may be expanded (stride 0) views
-        if dh is not None and ctx.has_residual:
-            dh = as_rows(dh, n)
+        base = ctx.x_dtype
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if dy is None:  # only h was used downstream
+            dy = torch.zeros_like(h, dtype=ctx.out_dtype)
+        dy = _grad_in(dy, n, base)
+        extra = _grad_in(dh, n, base) if (dh is not None and ctx.has_residual) else None
         # dx and d(residual) are the same values; compute them in the wider of the two dtypes, once.
-        grad_dtype = ctx.x_dtype
+        grad_dtype = base
         if ctx.has_residual and need_res and ctx.residual_dtype == torch.float32:
             grad_dtype = torch.float32
-        dx, dw = ops.rms_norm_bwd(
-            dy, h, rstd, weight, dh if ctx.has_residual else None, ctx.offset, grad_dtype,
-            bool(need_w and weight is not None),
-        )
+        dx, dw = _bwd(dy, h, rstd, weight, extra, ctx.offset, grad_dtype, bool(need_w and weight is not None))
         dres = None
         if ctx.has_residual and need_res:
             dres = dx if ctx.residual_dtype == dx.dtype else dx.to(ctx.residual_dtype)
-        dx_out = (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)) if need_x else None
+        dx_out = (dx if dx.dtype == base else dx.to(base)) if need_x else None
         return dx_out, dres, (dw if need_w else None), None, None, None, None
 
 
@@ -116,10 +139,15 @@ def rms_norm(
         out_dtype: dtype of ``y`` (default ``x.dtype``); the layers pass the transformers module's dtype.
     """
     check_tensor(x, "x")
-    eps = check_finite(eps, "eps", nonnegative=True)
-    offset = check_finite(offset, "offset")
-    check_dtype_arg(residual_dtype, "residual_dtype")
-    check_dtype_arg(out_dtype, "out_dtype")
+    # Cheap checks first (this runs on every call, inference included); anything unusual gets the full check.
+    if type(eps) is not float or not (0.0 <= eps < _INF):  # NaN fails the comparison
+        eps = check_finite(eps, "eps", nonnegative=True)
+    if type(offset) is not float or not (-_INF < offset < _INF):
+        offset = check_finite(offset, "offset")
+    if residual_dtype is not None:
+        check_dtype_arg(residual_dtype, "residual_dtype")
+    if out_dtype is not None:
+        check_dtype_arg(out_dtype, "out_dtype")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension [..., N]")
     n = x.shape[-1]
@@ -129,33 +157,59 @@ def rms_norm(
         if weight.dim() != 1 or weight.shape[0] != n:
             raise ValueError(f"weight must have shape [{n}] (the last dim of x), got {list(weight.shape)}")
         # The kernels take weights in x's dtype or fp32; any other half type is widened (exact).
-        if weight.dtype not in (x.dtype, torch.float32):
+        if weight.dtype != x.dtype and weight.dtype != torch.float32:
             weight = weight.float()
-        weight = weight.contiguous()
-    out_dtype = out_dtype if out_dtype is not None else x.dtype
-    kernel_out_dtype = out_dtype if out_dtype in (x.dtype, torch.float32) else torch.float32
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    kernel_out_dtype = out_dtype if (out_dtype == x.dtype or out_dtype == torch.float32) else torch.float32
 
-    lead = x.shape[:-1]
-    x2 = as_rows(x, n)
     res2 = None
     h_dtype = None
     if residual is not None:
         check_tensor(residual, "residual")
         check_device(residual, x, "residual", "x")
-        if residual.shape != x.shape:
+        if torch.compiler.is_compiling():
+            # Token counts may be unbacked symbols (one per input): assert equality for the runtime instead of
+            # branching on it.
+            torch._check(residual.dim() == x.dim(), lambda: "residual must have the shape of x")
+            for a, b in zip(residual.shape, x.shape):
+                torch._check(a == b, lambda: "residual must have the shape of x")
+        elif residual.shape != x.shape:
             raise ValueError(f"residual must have the shape of x {list(x.shape)}, got {list(residual.shape)}")
-        h_dtype = residual_dtype if residual_dtype is not None else x.dtype
-        if h_dtype not in (x.dtype, torch.float32):
+        h_dtype = x.dtype if residual_dtype is None else residual_dtype
+        if h_dtype != x.dtype and h_dtype != torch.float32:
             raise ValueError(f"residual_dtype must be x's dtype ({x.dtype}) or torch.float32, got {h_dtype}")
-        res2 = as_rows(residual if residual.dtype == h_dtype else residual.to(h_dtype), n)
+        res2 = residual if residual.dtype == h_dtype else residual.to(h_dtype)
 
-    y2, h2, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
-    y = y2.view(*lead, n)
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    ):
+        # Autograd: 2-D rows into the Function (stable ranks under torch.compile), views back out.
+        x2 = _as_rows(x, n)
+        if res2 is not None:
+            res2 = _as_rows(res2, n)
+        y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+        if x.dim() != 2:
+            y = y.view(x.shape)
+            h = h.view(x.shape) if residual is not None else h
+    else:
+        # Inference: straight to the kernel. It takes [..., N] itself (viewing the rows in C++ is far cheaper
+        # than a reshape and a view here); only non-viewable layouts are made contiguous first.
+        x2 = x if (x.dim() == 2 and (n <= 1 or x.stride(1) == 1)) or x.is_contiguous() else _as_rows(x, n)
+        if res2 is not None and not ((res2.dim() == 2 and (n <= 1 or res2.stride(1) == 1)) or res2.is_contiguous()):
+            res2 = _as_rows(res2, n)
+        y, h, _ = _fwd(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+        if x2 is not x:  # a non-viewable x went through _as_rows
+            y = y.view(x.shape)
+            h = h.view(x.shape) if residual is not None else h
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     if residual is None:
         return y
-    return y, h2.view(*lead, n)
+    return y, h
 
 
 def rms_norm_reference(

@@ -1,0 +1,128 @@
+"""The RMSNorm layers against the real transformers modules they replace (LlamaRMSNorm, Qwen3RMSNorm,
+GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm): forward and backward with the 2x rule against an fp64 evaluation of
+the module (the module's own output is the same-dtype PyTorch result), the module's exact output dtype, and the
+swap through `kernels.kernelize` with local layer repositories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _utils import FLOOR, assert_2x_rule
+from conftest import ROOT
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+
+LLAMA_STYLE = [LlamaRMSNorm, Qwen3RMSNorm]
+GEMMA_STYLE = [GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def build(cls, n, w_dtype, device, seed=0):
+    m = cls(n, eps=1e-6).to(device=device, dtype=w_dtype)
+    g = torch.Generator().manual_seed(seed)
+    base = 1.0 if cls in LLAMA_STYLE else 0.0  # Llama scales by w, Gemma by (1 + w)
+    with torch.no_grad():
+        m.weight.copy_(base + 0.25 * torch.randn(n, generator=g))
+    return m
+
+
+def as_fp64(module):
+    """The same module in fp64 holding exactly the same weight values (the high-precision reference)."""
+    ref = type(module)(module.weight.shape[0], eps=1e-6).to(device=module.weight.device, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(module.weight.double())
+    return ref
+
+
+def layer_for(fm, cls):
+    return fm.layers.RMSNorm if cls in LLAMA_STYLE else fm.layers.GemmaRMSNorm
+
+
+def fwd_bwd(forward, module, x, dy):
+    """Output and (dx, dw) of `forward(module, x)` for the upstream gradient dy (in the output's dtype)."""
+    x = x.detach().clone().requires_grad_()
+    module.weight.grad = None
+    y = forward(module, x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("w_dtype", ["same", torch.float32], ids=["w=x.dtype", "w=fp32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cls", LLAMA_STYLE + GEMMA_STYLE, ids=lambda c: c.__name__)
+def test_layer_matches_transformers_module(fm, device, cls, dtype, w_dtype):
+    n = 1000
+    wd = dtype if w_dtype == "same" else w_dtype
+    module = build(cls, n, wd, device)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 37, n, generator=g) * 2).to(device=device, dtype=dtype)
+    dy = torch.randn(3, 37, n, generator=g).to(device)
+
+    ours = fwd_bwd(layer_for(fm, cls).forward, module, x, dy)
+    theirs = fwd_bwd(cls.forward, module, x, dy)
+    ref = fwd_bwd(cls.forward, as_fp64(module), x.double(), dy)
+
+    y, dx, dw = ours
+    assert y.dtype == theirs[0].dtype, f"output dtype {y.dtype} != transformers' {theirs[0].dtype}"
+    assert dx.dtype == theirs[1].dtype and dw.dtype == theirs[2].dtype
+    ref = tuple(r.double() for r in ref)
+    assert_2x_rule(y, ref[0], theirs[0], name="y")
+    assert_2x_rule(dx, ref[1], theirs[1], name="dx")
+    # dW sums 111 rows: give the fp32 accumulation order a floor that scales with the magnitude of the sums.
+    assert_2x_rule(dw, ref[2], theirs[2], name="dw", floor=max(FLOOR[dw.dtype], 1e-6 * ref[2].abs().max().item()))
+
+
+def test_kernelize_swaps_every_module(fm, device, tmp_path):
+    """kernelize with LocalLayerRepository mappings replaces the decorated Llama/Qwen3 norms ("RMSNorm") and the
+    undecorated Gemma ones once opted in with replace_kernel_forward_from_hub ("GemmaRMSNorm"); the swapped
+    modules compute exactly what the layers compute, forward and backward."""
+    from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+
+    for cls in GEMMA_STYLE:
+        replace_kernel_forward_from_hub(cls, "GemmaRMSNorm")
+    n = 256
+    modules = [build(cls, n, torch.bfloat16, device, seed=i) for i, cls in enumerate(LLAMA_STYLE + GEMMA_STYLE)]
+    model = torch.nn.Sequential(*modules)
+    originals = [type(m).forward for m in modules]
+    mapping = {
+        name: {device: LocalLayerRepository(repo_path=ROOT, layer_name=name)} for name in ("RMSNorm", "GemmaRMSNorm")
+    }
+    with use_kernel_mapping(mapping):
+        kernelize(model, mode=Mode.TRAINING, device=device, use_fallback=False)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, n, generator=g).to(device=device, dtype=torch.bfloat16)
+    for m, orig in zip(modules, originals):
+        layer = layer_for(fm, type(m))
+        assert m.forward.__func__ is not orig, f"{type(m).__name__} was not swapped"
+        dy = torch.randn(2, 9, n, generator=g).to(device)
+        swapped = fwd_bwd(lambda mod, t: mod(t), m, x, dy)
+        direct = fwd_bwd(layer.forward, m, x, dy)
+        for a, b in zip(swapped, direct):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_kernelize_inference_llama_fp32_weight(fm, device):
+    """Inference swap on a model kept in fp32 weights with bf16 activations: the output is fp32 like the
+    original module's, and rounded once."""
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    n = 512
+    model = torch.nn.Sequential(build(LlamaRMSNorm, n, torch.float32, device))
+    x = torch.randn(4, n).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+    mapping = {"RMSNorm": {device: LocalLayerRepository(repo_path=ROOT, layer_name="RMSNorm")}}
+    with use_kernel_mapping(mapping):
+        kernelize(model, mode=Mode.INFERENCE, device=device, use_fallback=False)
+    with torch.no_grad():
+        got = model(x)
+    ref = as_fp64(model[0])(x.double())
+    assert got.dtype == expected.dtype == torch.float32
+    assert_2x_rule(got, ref, expected, name="y")

@@ -1,0 +1,575 @@
+"""rms_norm: forward and backward vs a high-precision reference (the 2x rule), every variant (fp32 weights with
+16-bit activations, 3-D, sliced views, fused residual incl. an fp32 residual stream, Gemma's offset), opcheck,
+torch.compile without recompiles, a hypothesis property test, argument errors before any launch, determinism,
+the declared gradient dtype (torch >= 2.14), and on a GPU every kernel configuration (row lengths up to 262144,
+misaligned pointers and row strides, prefetching, wide rows).
+
+CPU runs stay small (M * N <= 5e5 per case); the GPU runs every shape.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _utils import FLOOR, assert_2x_rule, max_err
+from conftest import CUDA, ROOT, requires_cuda
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MS = [0, 1, 7, 83, 2048]
+NS = [1, 3, 128, 1000, 2304, 4096, 5376, 65537]
+CPU_MAX_ELEMS = 500_000
+
+
+def rms_mod(fm):
+    """The loaded package's rms_norm submodule (the package attribute `rms_norm` is the function)."""
+    return sys.modules[fm.__name__ + ".rms_norm"]
+
+
+# ---- reference ------------------------------------------------------------------------------------------
+
+
+def reference(x, w, *, eps, offset, residual, residual_dtype, out_dtype, dy, dh, prec):
+    """(y, h, dx, dres, dw) with the math in `prec`. h = round(x + residual) exactly as the residual stream
+    carries it; gradients pass straight through that rounding (dx == dres)."""
+    if residual is not None:
+        rd = residual_dtype or x.dtype
+        h = x.to(rd) + residual.to(rd)
+    else:
+        h = x
+    hh = h.detach().to(prec).requires_grad_()
+    wp = w.detach().to(prec).requires_grad_() if w is not None else None
+    y = hh * torch.rsqrt(hh.pow(2).mean(-1, keepdim=True) + eps)
+    if wp is not None:
+        y = y * (offset + wp)
+    y.backward(dy.to(prec))
+    dtot = hh.grad if dh is None else hh.grad + dh.to(prec)
+    return y.detach(), h, dtot, dtot, (wp.grad if wp is not None else None)
+
+
+def run_case(fm, x, w, *, eps=1e-6, offset=0.0, residual=None, residual_dtype=None, out_dtype=None,
+             dy_dtype=None, check_grads=True):
+    """Our fwd+bwd vs the reference (fp64 as truth; fp32 math rounded once to our dtypes as PyTorch's
+    same-dtype result), with the 2x rule on every output."""
+    x = x.detach().requires_grad_(check_grads)
+    w = w.detach().requires_grad_(check_grads) if w is not None else None
+    res = residual.detach().requires_grad_(check_grads) if residual is not None else None
+    out = fm.rms_norm(x, w, eps, offset=offset, residual=res, residual_dtype=residual_dtype, out_dtype=out_dtype)
+    y, h = out if res is not None else (out, None)
+    ydt = out_dtype or x.dtype
+    assert y.shape == x.shape and y.dtype == ydt
+    gen = torch.Generator(device=x.device).manual_seed(1234)
+    dy = torch.randn(x.shape, generator=gen, device=x.device, dtype=dy_dtype or ydt)
+    dh = torch.randn(x.shape, generator=gen, device=x.device, dtype=h.dtype) if h is not None else None
+    kw = dict(eps=eps, offset=offset, residual=residual, residual_dtype=residual_dtype, out_dtype=out_dtype, dy=dy,
+              dh=dh)
+    y64, h_ref, dx64, dr64, dw64 = reference(x, w, prec=torch.float64, **kw)
+    y32, _, dx32, dr32, dw32 = reference(x, w, prec=torch.float32, **kw)
+    assert_2x_rule(y, y64, y32.to(ydt), name="y")
+    if h is not None:
+        assert h.dtype == (residual_dtype or x.dtype) and torch.equal(h, h_ref), "h must be the rounded x + residual"
+    if not check_grads or x.numel() == 0 and w is None:
+        return y
+    torch.autograd.backward([y] + ([h] if h is not None else []), [dy] + ([dh] if dh is not None else []))
+    # Floors for results that are differences of larger terms: any fp32 implementation is off by a few fp32
+    # ulps of the largest cancelling term (dx = rs * (g - xhat * mean(g * xhat)) cancels completely at N = 1;
+    # dW sums M rows of dy * xhat), so the floor adds 4 ulps of that term size to the per-dtype floor.
+    ulp32 = 2.0**-24
+    h64 = h_ref.double()
+    rs64 = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
+    s64 = (offset + w.double()) if w is not None else torch.ones((), dtype=torch.float64, device=x.device)
+    dx_terms = (rs64 * (dy.double() * s64).abs()).max().item() if x.numel() else 0.0
+    assert_2x_rule(x.grad, dx64, dx32.to(x.dtype), name="dx", floor=FLOOR[x.dtype] + 4 * ulp32 * dx_terms)
+    if res is not None:
+        assert_2x_rule(res.grad, dr64, dr32.to(res.dtype), name="dresidual",
+                       floor=FLOOR[res.dtype] + 4 * ulp32 * dx_terms)
+    if w is not None:
+        rows = max(x.numel() // max(x.shape[-1], 1), 1)
+        dw_terms = (dy.double() * h64 * rs64).reshape(-1, x.shape[-1]).abs().sum(0).max().item() if x.numel() else 0
+        assert_2x_rule(w.grad, dw64, dw32.to(w.dtype), name="dw",
+                       floor=FLOOR[w.dtype] + 4 * ulp32 * math.sqrt(rows) * dw_terms)
+    return y
+
+
+def make(shape, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def skip_big(device, *shape):
+    if device == "cpu" and math.prod(shape) > CPU_MAX_ELEMS:
+        pytest.skip("large shape: GPU only (keeps the CPU suite short)")
+
+
+# ---- the shape sweep --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fwd_bwd_shapes(fm, device, dtype, M, N):
+    skip_big(device, M, N)
+    x = make((M, N), dtype, device)
+    w = 1 + 0.25 * make((N,), dtype, device, seed=1)
+    run_case(fm, x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,N", [(7, 1000), (83, 4096), (3, 65537)])
+def test_fp32_weight_with_half_input(fm, device, dtype, M, N):
+    """LlamaRMSNorm's fp32-weight case: y in fp32 (promote(w, x)), and the same weights with y in x's dtype."""
+    skip_big(device, M, N)
+    x = make((M, N), dtype, device)
+    w = 1 + 0.25 * make((N,), torch.float32, device, seed=1)
+    run_case(fm, x, w, out_dtype=torch.float32)
+    run_case(fm, x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_3d_and_1d_inputs(fm, device, dtype):
+    w = 1 + 0.25 * make((384,), dtype, device, seed=1)
+    run_case(fm, make((2, 5, 384), dtype, device), w)
+    run_case(fm, make((384,), dtype, device), w)
+    run_case(fm, make((2, 0, 384), dtype, device), w)
+    with torch.no_grad():  # the inference path hands [..., N] to the kernel directly
+        x = make((3, 4, 384), dtype, device)
+        torch.testing.assert_close(fm.rms_norm(x, w), fm.rms_norm(x.reshape(12, 384), w).view(3, 4, 384), rtol=0,
+                                   atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_views(fm, device, dtype):
+    w = 1 + 0.25 * make((1000,), dtype, device, seed=1)
+    base = make((40, 1000), dtype, device)
+    run_case(fm, base[::2], w)  # row stride 2N
+    run_case(fm, make((40, 1001), dtype, device)[:, 1:], w)  # odd row stride, offset base pointer
+    run_case(fm, make((1000, 40), dtype, device).t(), w)  # column stride != 1: made contiguous
+    run_case(fm, make((4, 10, 1000), dtype, device)[:, ::3], w)  # 3-D, not viewable as rows
+    with torch.no_grad():
+        x = make((4, 10, 1000), dtype, device)[:, ::3]
+        torch.testing.assert_close(fm.rms_norm(x, w), fm.rms_norm(x.contiguous(), w), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32], ids=["h=x.dtype", "h=fp32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N", [(1, 128), (83, 1000), (7, 5376), (2, 65537)])
+def test_residual(fm, device, dtype, M, N, residual_dtype):
+    skip_big(device, M, N)
+    x = make((M, N), dtype, device)
+    r = make((M, N), residual_dtype or dtype, device, seed=2)
+    w = 1 + 0.25 * make((N,), dtype, device, seed=1)
+    run_case(fm, x, w, residual=r, residual_dtype=residual_dtype)
+
+
+def test_residual_cast_and_h_only_grad(fm, device):
+    """A bf16 residual with an fp32 stream is widened before the kernel; a graph that uses only h still
+    gets correct gradients (y's gradient is None: no zero-filled tensor)."""
+    x = make((5, 256), torch.bfloat16, device).requires_grad_()
+    r = make((5, 256), torch.bfloat16, device, seed=2).requires_grad_()
+    w = torch.ones(256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y, h = fm.rms_norm(x, w, residual=r, residual_dtype=torch.float32)
+    assert h.dtype == torch.float32 and torch.equal(h, x.float() + r.float())
+    h.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+    assert w.grad is not None and torch.count_nonzero(w.grad) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N", [(7, 3), (83, 2304), (1, 65537)])
+def test_gemma_offset_and_no_weight(fm, device, dtype, M, N):
+    skip_big(device, M, N)
+    x = make((M, N), dtype, device)
+    w = 0.25 * make((N,), dtype, device, seed=1)
+    run_case(fm, x, w, offset=1.0)
+    run_case(fm, x, w.float(), offset=1.0)
+    run_case(fm, x, None)
+    run_case(fm, x, w, offset=1.0, residual=make((M, N), dtype, device, seed=3))
+
+
+def test_nan_inf_propagate(fm, device):
+    x = make((4, 64), torch.float32, device)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    w = torch.ones(64, device=device)
+    y = fm.rms_norm(x, w)
+    ref = fm.rms_norm_reference(x, w)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2, 5]) and torch.count_nonzero(y[2].nan_to_num()) == 0
+    torch.testing.assert_close(y, ref, equal_nan=True)
+
+
+# ---- properties -------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    m=st.integers(0, 40),
+    n=st.integers(1, 3000),
+    dtype=st.sampled_from(DTYPES),
+    variant=st.sampled_from(["plain", "gemma", "no_weight", "residual", "residual_fp32", "fp32_weight"]),
+    eps=st.sampled_from([0.0, 1e-6, 1e-5, 0.1]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+)
+def test_property_vs_reference(fm, m, n, dtype, variant, eps, scale):
+    device = "cuda" if CUDA else "cpu"
+    x = make((m, n), dtype, device) * scale
+    w = 1 + 0.25 * make((n,), dtype, device, seed=1)
+    kw = {}
+    if variant == "gemma":
+        kw["offset"] = 1.0
+    elif variant == "no_weight":
+        w = None
+    elif variant.startswith("residual"):
+        kw["residual"] = make((m, n), dtype, device, seed=2) * scale
+        kw["residual_dtype"] = torch.float32 if variant == "residual_fp32" else None
+        if kw["residual_dtype"] is not None:
+            kw["residual"] = kw["residual"].float()
+    elif variant == "fp32_weight":
+        w = w.float()
+    if eps == 0.0:
+        x = x + 1e-3 * scale  # keep rows away from all-zero (0 * inf)
+    run_case(fm, x, w, eps=eps, **kw)
+
+
+# ---- argument errors before any launch ------------------------------------------------------------------
+
+
+def test_bad_arguments(fm, device):
+    x = make((4, 8), torch.float32, device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        fm.rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        fm.rms_norm(x, torch.ones(2, 4, device=device))
+    other = "meta" if device == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="weight is on .* but x is on"):
+        fm.rms_norm(x, torch.ones(8, device=other))
+    with pytest.raises(ValueError, match="residual is on"):
+        fm.rms_norm(x, w, residual=torch.ones(4, 8, device=other))
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+        fm.rms_norm(torch.ones(4, 8, dtype=torch.int32, device=device), w)
+    with pytest.raises(TypeError, match="weight must be float32"):
+        fm.rms_norm(x, torch.ones(8, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        fm.rms_norm([1.0, 2.0], w)
+    for bad in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be"):
+            fm.rms_norm(x, w, bad)
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+        fm.rms_norm(x, w, torch.tensor(1e-6))
+    with pytest.raises(ValueError, match="offset must be finite"):
+        fm.rms_norm(x, w, offset=float("nan"))
+    with pytest.raises(ValueError, match="residual must have the shape of x"):
+        fm.rms_norm(x, w, residual=torch.ones(4, 9, device=device))
+    with pytest.raises(ValueError, match="residual_dtype must be x's dtype"):
+        fm.rms_norm(x.half(), w, residual=x.half(), residual_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="residual_dtype must be None or one of"):
+        fm.rms_norm(x, w, residual=x, residual_dtype=torch.int8)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fm.rms_norm(torch.tensor(1.0, device=device), None)
+    assert fm.rms_norm(x, w, 0) is not None  # an int eps is a valid float
+
+
+def test_op_level_checks(fm):
+    """The C++ ops check what they rely on even when called directly (no crash, a clear error)."""
+    ops = fm._ops.ops
+    x = torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        ops.rms_norm_fwd(x, None, torch.ones(7), 1e-6, 0.0, torch.float32, None)
+    with pytest.raises(RuntimeError, match="out_dtype must be x's dtype or float32"):
+        ops.rms_norm_fwd(x.bfloat16(), None, None, 1e-6, 0.0, torch.float16, None)
+    with pytest.raises(RuntimeError, match="residual dtype"):
+        ops.rms_norm_fwd(x, x.half(), None, 1e-6, 0.0, torch.float32, None)
+    with pytest.raises(RuntimeError, match="mixes 16-bit dtypes"):
+        ops.rms_norm_bwd(x.half(), x.bfloat16(), torch.ones(4), None, None, 0.0, torch.bfloat16, False)
+    with pytest.raises(RuntimeError, match="rstd must be"):
+        ops.rms_norm_bwd(x, x, torch.ones(3), None, None, 0.0, torch.float32, False)
+
+
+# ---- custom-op contracts and torch.compile ---------------------------------------------------------------
+
+
+def test_opcheck(fm, device):
+    ops = fm._ops.ops
+    x = make((5, 64), torch.bfloat16, device)
+    w = make((64,), torch.float32, device)
+    r = make((5, 64), torch.float32, device)
+    for args in [
+        (x, None, w, 1e-6, 0.0, torch.bfloat16, None),
+        (x, None, w, 1e-6, 1.0, torch.float32, None),
+        (x, r, w, 1e-6, 0.0, torch.bfloat16, torch.float32),
+        (x, x, None, 1e-5, 0.0, torch.bfloat16, None),
+        (x.view(5, 1, 64), None, w, 1e-6, 0.0, torch.bfloat16, None),
+        (x[:0], None, w, 1e-6, 0.0, torch.bfloat16, None),
+    ]:
+        torch.library.opcheck(ops.rms_norm_fwd.default, args)
+    y, h, rstd = ops.rms_norm_fwd(x, r, w, 1e-6, 0.0, torch.bfloat16, torch.float32)
+    for args in [
+        (y, x, rstd, w, None, 0.0, torch.bfloat16, True),
+        (y.float(), h, rstd, w, r, 1.0, torch.float32, True),
+        (y, x, rstd, None, None, 0.0, torch.bfloat16, False),
+    ]:
+        torch.library.opcheck(ops.rms_norm_bwd.default, args)
+
+
+@pytest.fixture
+def no_recompiles():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    old = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = True
+    yield
+    torch._dynamo.config.error_on_recompile = old
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["inference", "training", "residual_training", "3d_inference"])
+def test_torch_compile_no_recompile(fm, device, no_recompiles, mode):
+    from torch._dynamo.decorators import mark_unbacked
+
+    dtype = torch.bfloat16
+    n = 256
+    w = (1 + 0.25 * make((n,), dtype, device, seed=1)).requires_grad_(mode.endswith("training"))
+
+    def f(x, w):
+        if mode == "residual_training":
+            y, h = fm.rms_norm(x, w, 1e-6, residual=x * 0.5, residual_dtype=torch.float32)
+            return y.float() + h
+        return fm.rms_norm(x, w, 1e-6)
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (1, 7, 4096):
+        shape = (2, t, n) if mode == "3d_inference" else (t, n)
+        x = make(shape, dtype, device, seed=t)
+        if mode.endswith("training"):
+            x.requires_grad_()
+        mark_unbacked(x, 1 if mode == "3d_inference" else 0)
+        if mode.endswith("training"):
+            out = cf(x, w)
+            g = torch.ones_like(out)
+            gx, gw = torch.autograd.grad(out, (x, w), g)
+            x2 = x.detach().requires_grad_()
+            w2 = w.detach().requires_grad_()
+            ref = f(x2, w2)
+            rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+            torch.testing.assert_close(out, ref)
+            torch.testing.assert_close(gx, rgx)
+            torch.testing.assert_close(gw, rgw, atol=0.5, rtol=2e-2)
+        else:
+            with torch.no_grad():
+                torch.testing.assert_close(cf(x, w), f(x, w))
+
+
+# ---- determinism and gradient dtypes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [1000, 4096])
+def test_deterministic(fm, device, N):
+    M = 300 if device == "cpu" else 5000
+    x = make((M, N), torch.bfloat16, device)
+    w = make((N,), torch.bfloat16, device, seed=1)
+    dy = make((M, N), torch.bfloat16, device, seed=2)
+
+    def grads():
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fm.rms_norm(xr, wr).backward(dy)
+        return xr.grad, wr.grad
+
+    (dx1, dw1), (dx2, dw2) = grads(), grads()
+    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
+
+
+def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatch):
+    """Record, for the autograd Function: its output dtype, the grad dtype it declared and the dtype backward
+    received. On torch >= 2.14 an fp32 gradient arriving at a bf16 output reaches the kernel uncast, and the
+    result is closer to an fp64 reference than with the default path (engine casts the gradient to bf16)."""
+    mod = rms_mod(fm)
+    records = []
+    orig_backward = mod._RMSNormFunction.backward
+    orig_declare = mod.declare_grad_dtypes
+
+    def recording_declare(ctx, *dtypes):
+        # What the Function declared, as the ctx holds it after the call (the engine consumes it after forward).
+        orig_declare(ctx, *dtypes)
+        records.append({"declared": getattr(ctx, "output_grad_dtypes", "unsupported")})
+
+    def recording_backward(ctx, dy, dh, drstd):
+        records[-1].update(output=ctx.out_dtype, received=dy.dtype)
+        return orig_backward(ctx, dy, dh, drstd)
+
+    monkeypatch.setattr(mod, "declare_grad_dtypes", recording_declare)
+    monkeypatch.setattr(mod._RMSNormFunction, "backward", staticmethod(recording_backward))
+    M, N = 64, 2048
+    x = make((M, N), torch.bfloat16, device)
+    w = 1 + 0.25 * make((N,), torch.bfloat16, device, seed=1)
+    g32 = make((M, N), torch.float32, device, seed=2)
+
+    def dx_with(upstream):
+        xr = x.clone().requires_grad_()
+        fm.rms_norm(xr, w).backward(upstream)
+        return xr.grad
+
+    dx_uncast = dx_with(g32)
+    rec = records[-1]
+    print("recorded (declaring):", rec)
+    assert rec["output"] == torch.bfloat16
+    supported = hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_dtype")
+    if not supported:
+        assert rec["declared"] == "unsupported" and rec["received"] == torch.bfloat16
+        pytest.skip(f"torch {torch.__version__} has no ctx.set_output_grad_dtype: default path only (recorded)")
+    assert rec["declared"] == (None, None, None) and rec["received"] == torch.float32
+
+    monkeypatch.setattr(mod, "declare_grad_dtypes", lambda ctx, *d: records.append({"declared": None}))
+    dx_cast = dx_with(g32)  # the default path: the engine casts the fp32 gradient to the output's bf16
+    rec = records[-1]
+    print("recorded (default):", rec)
+    assert rec["declared"] is None and rec["output"] == torch.bfloat16 and rec["received"] == torch.bfloat16
+
+    _, _, dx64, _, _ = reference(x, w, eps=1e-6, offset=0.0, residual=None, residual_dtype=None, out_dtype=None,
+                                 dy=g32, dh=None, prec=torch.float64)
+    err_uncast = (dx_uncast.double() - dx64).abs().mean().item()
+    err_cast = (dx_cast.double() - dx64).abs().mean().item()
+    print(f"mean |dx - fp64|: fp32 upstream kept {err_uncast:.3e}, cast to bf16 {err_cast:.3e}")
+    assert err_uncast < err_cast
+
+
+def test_fp32_upstream_with_fp32_residual_stream(fm, device):
+    """The fp32 residual stream end to end: h fp32, d(residual) fp32 computed from the fp32 upstream grads."""
+    x = make((16, 512), torch.bfloat16, device).requires_grad_()
+    r = make((16, 512), torch.float32, device, seed=2).requires_grad_()
+    w = 1 + 0.25 * make((512,), torch.bfloat16, device, seed=1)
+    y, h = fm.rms_norm(x, w, residual=r, residual_dtype=torch.float32)
+    gy = make((16, 512), torch.float32, device, seed=3)
+    gh = make((16, 512), torch.float32, device, seed=4)
+    torch.autograd.backward([y, h], [gy, gh])
+    _, _, _, dr64, _ = reference(x.detach(), w, eps=1e-6, offset=0.0, residual=r.detach(),
+                                 residual_dtype=torch.float32, out_dtype=None, dy=gy, dh=gh, prec=torch.float64)
+    assert r.grad.dtype == torch.float32
+    tol = 1e-5 if hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_dtype") else 2e-2
+    assert max_err(r.grad, dr64) <= tol * dr64.abs().max().item()
+
+
+def test_cpu_baseline_copy_subprocess():
+    """The CPU row kernels exist twice (AVX2+F16C and baseline x86-64, picked at run time); this machine runs the
+    AVX2 copy, so the baseline copy is forced in a fresh process (FUSED_MLP_CPU_BASELINE is read once)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import kernels
+        from test_rms_norm import run_case, make
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}), backend="cpu")
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            for m, n in ((7, 1000), (3, 13), (2, 4099)):
+                x = make((m, n), dt, "cpu")
+                w = 1 + 0.25 * make((n,), dt, "cpu", seed=1)
+                run_case(fm, x, w)
+                run_case(fm, x, w.float(), residual=make((m, n), torch.float32, "cpu", seed=2),
+                         residual_dtype=torch.float32)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "FUSED_MLP_CPU_BASELINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
+
+
+# ---- GPU: every kernel configuration ---------------------------------------------------------------------
+
+
+def _misaligned(shape, dtype, device, seed=0):
+    """A tensor whose base pointer is 2 bytes off a 16-byte boundary."""
+    flat = make((math.prod(shape) + 1,), dtype, device, seed=seed)
+    return flat[1:].view(shape)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [2048, 8192, 16384, 24576, 32768, 49152, 65536, 98304, 131072, 262144])
+def test_cuda_wide_rows(fm, dtype, N):
+    """Rows path up to 65536 (bf16/fp16) / 32768 (fp32), wide path beyond: smem-cached (fits the opt-in smem)
+    and re-read from L2 (does not); bwd rows with dW in smem and bwd wide with smem / global dW partials."""
+    M = max(8, min(4000, (1 << 25) // N))  # enough row groups for the persistent grid to prefetch
+    x = make((M, N), dtype, "cuda")
+    w = 1 + 0.25 * make((N,), dtype, "cuda", seed=1)
+    run_case(fm, x, w)
+    run_case(fm, x[:7], w.float(), residual=make((7, N), torch.float32, "cuda", seed=2),
+             residual_dtype=torch.float32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [8, 1000, 4096, 65536])
+@pytest.mark.parametrize("layout", ["base+2B", "odd_row_stride", "both_residual"])
+def test_cuda_misaligned(fm, dtype, N, layout):
+    """Per-element fallback when a pointer or row stride breaks 16-byte alignment (every config branch)."""
+    M = 300 if N <= 4096 else 20
+    if layout == "base+2B":
+        x = _misaligned((M, N), dtype, "cuda")
+        run_case(fm, x, 1 + 0.25 * make((N,), dtype, "cuda", seed=1))
+    elif layout == "odd_row_stride":
+        x = make((M, N + 1), dtype, "cuda")[:, :N]
+        run_case(fm, x, _misaligned((N,), dtype, "cuda", seed=1) + 1)
+    else:
+        x = make((M, N + 3), dtype, "cuda")[:, 3:]
+        r = _misaligned((M, N), dtype, "cuda", seed=2)
+        run_case(fm, x, 1 + 0.25 * make((N,), dtype, "cuda", seed=1), residual=r)
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [1, 64, 131, 132, 133, 1000, 20000])
+def test_cuda_row_counts(fm, M):
+    """Grid sizing: one row per SM for small M, persistent blocks with prefetch for large M, direct dW."""
+    for N in (1, 128, 4096):
+        x = make((M, N), torch.bfloat16, "cuda")
+        run_case(fm, x, 1 + 0.25 * make((N,), torch.bfloat16, "cuda", seed=1))
+        run_case(fm, x, None, residual=make((M, N), torch.bfloat16, "cuda", seed=2))
+
+
+@requires_cuda
+def test_cuda_stream_and_device_guard(fm):
+    x = make((512, 4096), torch.bfloat16, "cuda")
+    w = make((4096,), torch.bfloat16, "cuda", seed=1)
+    ref = fm.rms_norm(x, w)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = fm.rms_norm(x, w)
+    s.synchronize()
+    assert torch.equal(out, ref)
+    if torch.cuda.device_count() > 1:
+        x1, w1 = x.to("cuda:1"), w.to("cuda:1")
+        assert torch.equal(fm.rms_norm(x1, w1).cpu(), ref.cpu())
+
+
+@requires_cuda
+def test_cuda_tuning_knobs_subprocess():
+    """The FUSED_MLP_RMS_NORM_TUNE alternatives (no prefetch, other wide block sizes, forced packs per thread)
+    are correct too: each runs in a fresh process (the knobs are read once)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import kernels
+        from test_rms_norm import run_case, make
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
+        for N in (256, 4096, 16384, 65536, 131072):
+            M = 2000 if N <= 16384 else 64
+            x = make((M, N), torch.bfloat16, "cuda")
+            run_case(fm, x, 1 + 0.25 * make((N,), torch.bfloat16, "cuda", seed=1))
+            run_case(fm, x[:9], None, residual=make((9, N), torch.bfloat16, "cuda", seed=2))
+        print("ok")
+        """
+    )
+    for knobs in ["fwd_prefetch=0,bwd_prefetch=0", "wide_threads=256,bwd_dw_smem=0", "fwd_iters=2,bwd_iters=1",
+                  "fwd_iters=16,bwd_iters=8"]:
+        env = {**os.environ, "FUSED_MLP_RMS_NORM_TUNE": knobs}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "ok" in proc.stdout, f"{knobs}:\n{proc.stdout}\n{proc.stderr}"
