@@ -1,9 +1,9 @@
 """Drive every rms_norm CUDA kernel branch once, at sizes compute-sanitizer can get through (not a pytest file):
 
-    compute-sanitizer --tool memcheck  python tests/sanitize_rms_norm.py
-    compute-sanitizer --tool racecheck python tests/sanitize_rms_norm.py
-    compute-sanitizer --tool synccheck python tests/sanitize_rms_norm.py
-    compute-sanitizer --tool initcheck python tests/sanitize_rms_norm.py
+    compute-sanitizer --tool memcheck  python tools/sanitize_rms_norm.py
+    compute-sanitizer --tool racecheck python tools/sanitize_rms_norm.py
+    compute-sanitizer --tool synccheck python tools/sanitize_rms_norm.py
+    compute-sanitizer --tool initcheck python tools/sanitize_rms_norm.py
 
 Branches: fwd rows with ITERS 1..16 (prefetch on and off, residual in x's dtype and fp32, misaligned rows),
 fwd wide (smem cache and L2 re-read), bwd rows (direct dW at one block, partial rows + column sum, prefetch with an
