@@ -28,8 +28,14 @@ for s in $stages; do
       python3 tools/build.py -j 16 2>&1 | tail -n 40 ;;
     tests)
       stamp tests
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -q -rfEs --durations=15 -p no:cacheprovider \
-        --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tail -n 120 ;;
+      # pytest-xdist spreads the suite over the machine's cores when it is installed; the full report goes to
+      # $OUT/tests.txt (a killed run still leaves what it printed), the summary to the session log.
+      xdist=""
+      python3 -c "import xdist" 2>/dev/null && xdist="-n ${PYTEST_WORKERS:-8}"
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -q -rfE --tb=short --durations=15 -p no:cacheprovider \
+        $xdist ${PYTEST_ARGS:-} > "$OUT/tests.txt" 2>&1
+      echo "pytest exit $?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 60 ;;
     sanitize)
       stamp sanitize
       timeout 300 bash tools/sanitize.sh 2>&1 | tail -n 60 ;;

@@ -25,7 +25,7 @@ for tool in $tools; do
     echo "$tool $(basename "$driver"): exit $rc; $summary"
     if [ $rc -ne 0 ]; then
       status=1
-      grep -m 12 -E "Invalid|Race|Uninitialized|barrier|MISMATCH|mismatch|Error|error" "$log"
+      grep -m 40 -E -A6 "Invalid|Race reported|hazard|Uninitialized|barrier|MISMATCH|mismatch|Error|error" "$log" | head -n 80
     fi
   done
 done
