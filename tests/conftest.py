@@ -55,3 +55,14 @@ def _no_tf32():
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+# When FUSED_MLP_FAILURE_LOG is set (the GPU session does), every failure is appended there the moment it
+# happens, so a run that is cut short by a time limit or a crashed worker still reports what failed and why.
+_FAILURE_LOG = os.environ.get("FUSED_MLP_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if _FAILURE_LOG and report.failed:
+        with open(_FAILURE_LOG, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

@@ -32,6 +32,7 @@ for s in $stages; do
       # $OUT/tests.txt (a killed run still leaves what it printed), the summary to the session log.
       xdist=""
       python3 -c "import xdist" 2>/dev/null && xdist="-n ${PYTEST_WORKERS:-8}"
+      export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
       timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -q -rfE --tb=short --durations=15 -p no:cacheprovider \
         $xdist ${PYTEST_ARGS:-} > "$OUT/tests.txt" 2>&1
       echo "pytest exit $?"
@@ -45,6 +46,9 @@ for s in $stages; do
     e2e)
       stamp e2e
       timeout 300 python3 benchmarks/e2e.py ${E2E_ARGS:-} 2>&1 | tail -n 40 ;;
+    example)
+      stamp example
+      timeout "${EXAMPLE_TIMEOUT:-150}" python3 example.py ${EXAMPLE_ARGS:-} 2>&1 | tail -n 30 ;;
     multigpu)
       stamp multigpu
       timeout 300 python3 -m pytest tests/test_distributed.py -q -rfEs 2>&1 | tail -n 30 ;;
