@@ -266,9 +266,9 @@ def main() -> int:
         compiled = torch.compile(model)
         t_fc = time_ms(lambda: fwd(compiled), device, reps)
         t_sc = time_ms(lambda: step(compiled), device, reps)
-    log(f"{'':<20} {'eager ms':>10} {'fused-mlp ms':>13} {'speedup':>8}" + (f" {'compile ms':>11}" if compiled else ""))
+    log(f"{'':<20} {'eager ms':>10} {'fused-mlp ms':>13} {'speedup':>8}" + (f" {'compile ms':>11}" if compiled is not None else ""))
     for i, (name, te, tk) in enumerate(timings):
-        extra = f" {[t_fc, t_sc][i]:>11.2f}" if compiled else ""
+        extra = f" {[t_fc, t_sc][i]:>11.2f}" if compiled is not None else ""
         log(f"{name:<20} {te:>10.2f} {tk:>13.2f} {te / tk:>7.2f}x{extra}")
     log(f"\ntotal {time.perf_counter() - t_start:.0f} s; parity {'PASSED' if parity.ok else 'FAILED'}")
     return 0 if parity.ok else 1

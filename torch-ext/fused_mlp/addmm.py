@@ -70,13 +70,10 @@ class _AddmmFunction(torch.autograd.Function):
     which nn.Linear allows, would then be refused) would do."""
 
     @staticmethod
-    def forward(bias, mat1, mat2, activation, save_preact, dw_transposed, out_shape):
-        return ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        bias, mat1, mat2, activation, save_preact, dw_transposed, _ = inputs
-        _, z = output
+    def forward(ctx, bias, mat1, mat2, activation, save_preact, dw_transposed, out_shape):
+        # Classic forward(ctx, ...) form: with a separate setup_context, apply() binds the signature with inspect on
+        # every call (tens of microseconds: decode-sized GEMMs would pay that on every token).
+        y, z = ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
         ctx.save_for_backward(mat1, mat2, z if activation != 0 else None)
         ctx.mark_non_differentiable(z)
         ctx.activation = activation
@@ -85,6 +82,7 @@ class _AddmmFunction(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else mat1.dtype
         # An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast (it reads either dtype).
         declare_grad_dtypes(ctx, None, None)
+        return y, z
 
     @staticmethod
     def backward(ctx, dy, _dz):
@@ -179,12 +177,12 @@ def _addmm_impl(
     lead = x.shape[:-1]
     x2 = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)  # [M, K]; reshape(-1, k) is ambiguous for K == 0
     w2, dw_transposed = _mat2_layout(w_kn)
-    save_preact = (
-        act != 0
-        and torch.is_grad_enabled()
-        and (x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad))
+    training = torch.is_grad_enabled() and (
+        x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad)
     )
-    y, _ = _AddmmFunction.apply(bias, x2, w2, act, save_preact, dw_transposed, [*lead, n])
+    if not training:  # inference: no autograd node, no saved pre-activation
+        return ops.addmm_fwd(bias, x2, w2, act, False, [*lead, n])[0]
+    y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != 0, dw_transposed, [*lead, n])
     return y
 
 

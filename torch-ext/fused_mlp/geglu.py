@@ -65,28 +65,37 @@ def _geglu_bwd_inplace_fake(dh, gate, up, activation):
 
 
 class _GatedActFunction(torch.autograd.Function):
-    """``act(gate) * up`` on 2-D rows (reshaped before ``apply`` so ranks stay stable under torch.compile)."""
+    """``act(gate) * up``. Contiguous inputs of any rank go in as they are, so the op's output already has the
+    caller's shape: a view taken after ``apply`` would put a ViewBackward node in front of this Function, where the
+    engine casts an fp32 incoming gradient to the output dtype (defeating ``set_output_grad_dtype``). Row-strided
+    inputs (e.g. ``x.chunk(2, -1)`` halves) come in as 2-D rows.
+
+    Classic ``forward(ctx, ...)`` form: with a separate ``setup_context``, ``apply`` binds the signature with
+    ``inspect`` on every call (tens of microseconds)."""
 
     @staticmethod
-    def forward(gate, up, activation):
-        return ops.geglu_fwd(gate, up, activation)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        gate, up, activation = inputs
+    def forward(ctx, gate, up, activation):
+        h = ops.geglu_fwd(gate, up, activation)
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
         # An fp32 gradient arriving at a bf16/fp16 h reaches the kernel uncast (it reads fp32 or h's dtype).
         declare_grad_dtypes(ctx, None)
+        return h
 
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dh = _as_rows(dh, gate.shape[1])  # may arrive as an expanded (stride-0) or transposed view
+        n = gate.shape[-1]
+        dh = _as_rows(dh, n)  # rows; dh may arrive as an expanded (stride-0) or transposed view
         if dh.dtype != gate.dtype and dh.dtype != torch.float32:
             dh = dh.to(gate.dtype)
-        dgate, dup = ops.geglu_bwd(dh, gate, up, ctx.activation)
-        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None
+        dgate, dup = ops.geglu_bwd(dh, _as_rows(gate, n), _as_rows(up, n), ctx.activation)
+        shape = gate.shape
+        return (
+            dgate.view(shape) if ctx.needs_input_grad[0] else None,
+            dup.view(shape) if ctx.needs_input_grad[1] else None,
+            None,
+        )
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -104,13 +113,16 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
     if gate.dim() == 0:
         raise ValueError("gate and up must have at least one dimension [..., I]")
     n = gate.shape[-1]
+    training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    # Eager, contiguous inputs of any rank: the op allocates h in the caller's shape (no view after the autograd
+    # node). Under torch.compile the contiguity test would guard on (possibly unbacked) token counts, and
+    # AOTAutograd traces the backward as one graph anyway: rows there.
+    if not torch.compiler.is_compiling() and gate.is_contiguous() and up.is_contiguous():
+        return _GatedActFunction.apply(gate, up, activation) if training else ops.geglu_fwd(gate, up, activation)
     lead = gate.shape[:-1]
     g2 = _as_rows(gate, n)
     u2 = _as_rows(up, n)
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        h = _GatedActFunction.apply(g2, u2, activation)
-    else:  # inference: no autograd node, no saved tensors
-        h = ops.geglu_fwd(g2, u2, activation)
+    h = _GatedActFunction.apply(g2, u2, activation) if training else ops.geglu_fwd(g2, u2, activation)
     return h.view(*lead, n)
 
 
