@@ -40,3 +40,23 @@ def test_kernelized_training_matches_under(engine, tmp_path):
     for step, (a, b) in enumerate(zip(eager, fused)):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"step {step}: eager loss {a} vs kernelized {b}"
     assert result["max_weight_diff"] <= 1e-4 * max(1.0, result["max_weight"])
+
+
+def test_dtensor_inputs_tensor_and_sequence_parallel(tmp_path):
+    """RMSNorm on DTensors: rows sharded (batch or sequence dim) or replicated run the fused kernel on the local
+    rows, keep the placements and give the full-tensor gradients (weight gradient declared partial); a sharded
+    hidden dim and a sharded Linear weight run the module's own math, announced with a warning."""
+    out = tmp_path / "dtensor.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "dtensor_check.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    res = json.loads(out.read_text())["results"]
+    for name in ("shard_batch", "shard_seq", "replicate", "shard_hidden"):
+        r = res[name]
+        assert r["is_dtensor"] and r["placements_kept"], name
+        assert max(r["y_err"], r["dx_err"], r["dw_err"]) < 1e-5, (name, r)
+        assert r["warned"] == (name == "shard_hidden"), (name, r)
+    assert res["linear_colwise"]["y_err"] < 1e-5 and res["linear_colwise"]["warned"]

@@ -57,3 +57,29 @@ def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None) -> None:
     setter = getattr(ctx, "set_output_grad_dtype", None)
     if setter is not None and not torch.compiler.is_compiling():
         setter(*dtypes)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A UserWarning the first time `key` is seen in this process (fallbacks to plain PyTorch are announced)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def is_plain(t: Any) -> bool:
+    """A plain tensor or parameter (not a DTensor, quantised or other tensor subclass)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def dtensor_type() -> Any:
+    """torch.distributed.tensor.DTensor, or None where torch.distributed is unavailable."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - builds without distributed support
+        return None
+    return DTensor

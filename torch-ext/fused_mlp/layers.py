@@ -6,9 +6,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._common import dtensor_type, is_plain, warn_once
 from .rms_norm import rms_norm
 
 __all__ = ["RMSNorm", "GemmaRMSNorm"]
+
+
+def _module_forward(module: nn.Module, x: torch.Tensor, why: str) -> torch.Tensor:
+    """The replaced module's own forward (kernelize swaps the instance's forward; the class keeps the original),
+    announced once per reason."""
+    warn_once(
+        f"{type(module).__name__}:{why}",
+        f"fused_mlp: {type(module).__name__} runs its own PyTorch forward here, not the fused kernel: {why}.",
+    )
+    return type(module).forward(module, x)
+
+
+def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    if is_plain(x) and is_plain(weight):
+        return rms_norm(x, weight, eps, offset=offset, out_dtype=out_dtype)
+    # Tensor parallel / sequence parallel: a DTensor input whose rows are whole on every rank (any sharding but
+    # along the hidden dim) with a replicated DTensor weight is normalised locally; every row is independent.
+    DTensor = dtensor_type()
+    if DTensor is None or not isinstance(x, DTensor) or not isinstance(weight, DTensor):
+        return _module_forward(module, x, "the input or weight is a tensor subclass other than DTensor+DTensor")
+    from torch.distributed.tensor import Partial, Replicate
+
+    last = x.ndim - 1
+    if (weight.device_mesh != x.device_mesh or not all(p.is_replicate() for p in weight.placements)
+            or any(p.is_partial() or (p.is_shard() and p.dim in (last, -1)) for p in x.placements)):
+        return _module_forward(module, x, "the DTensor layout splits the normalised dimension or the weight")
+    # Each rank's weight gradient covers only its own rows: declare it partial along the mesh dims that shard rows.
+    grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+    y = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, offset=offset,
+                 out_dtype=out_dtype)
+    return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +58,7 @@ class RMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         out_dtype = torch.promote_types(weight.dtype, hidden_states.dtype)
-        return rms_norm(hidden_states, weight, self.variance_epsilon, out_dtype=out_dtype)
+        return _rms_norm_layer(self, hidden_states, weight, self.variance_epsilon, 0.0, out_dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,7 +71,7 @@ class GemmaRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, offset=1.0, out_dtype=x.dtype)
+        return _rms_norm_layer(self, x, self.weight, self.eps, 1.0, x.dtype)
 
 
 # ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
@@ -131,6 +164,12 @@ class GeGLUMLP(nn.Module):
                 )
             ):
                 return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
+            why = "the weights' dtypes differ from the input's (outside autocast)"
+        elif activation is None:
+            why = f"no fused kernel for the activation {type(act_fn).__name__}"
+        else:
+            why = "the projections are not plain nn.Linear on plain tensors (DTensor, quantised, hooks, subclass)"
+        warn_once(f"GeGLUMLP:{why}", f"fused_mlp: GeGLUMLP runs the module's own PyTorch math here: {why}.")
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -154,7 +193,10 @@ class Linear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _linear(input, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if is_plain(input) and is_plain(weight) and (bias is None or is_plain(bias)):
+            return _linear(input, weight, bias)
+        return _module_forward(self, input, "a DTensor or other tensor subclass operand")
 
 
 class Conv1D(nn.Module):
@@ -166,4 +208,7 @@ class Conv1D(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _addmm(self.bias, x, self.weight)
+        weight, bias = self.weight, self.bias
+        if is_plain(x) and is_plain(weight) and (bias is None or is_plain(bias)):
+            return _addmm(bias, x, weight)
+        return _module_forward(self, x, "a DTensor or other tensor subclass operand")
