@@ -60,3 +60,21 @@ def test_dtensor_inputs_tensor_and_sequence_parallel(tmp_path):
         assert max(r["y_err"], r["dx_err"], r["dw_err"]) < 1e-5, (name, r)
         assert r["warned"] == (name == "shard_hidden"), (name, r)
     assert res["linear_colwise"]["y_err"] < 1e-5 and res["linear_colwise"]["warned"]
+
+
+def test_transformers_tensor_parallel(tmp_path):
+    """transformers' tp_plan="auto" on 2 processes: kernelized logits match the unsharded model; the norms (plain
+    weights, local activations) run the fused kernel; the DTensor-sharded MLP is announced as running its own math."""
+    pytest.importorskip("accelerate", reason="transformers' tensor parallel loading needs accelerate")
+    out = tmp_path / "tp.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "tp_check.py"), "--model-dir", str(tmp_path / "model"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    res = json.loads(out.read_text())
+    assert res["max_err"] < 1e-5, res
+    assert {"LlamaRMSNorm", "LlamaMLP"} <= set(res["replaced"]), res
+    assert res["norm_weight_type"] == "Parameter" and res["mlp_weight_type"] == "DTensor"
+    assert any("GeGLUMLP runs the module's own PyTorch math" in w for w in res["warnings"]), res
