@@ -19,6 +19,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 stages="${*:-build tests sanitize bench}"
 [ -f .whl/prelude.sh ] && source .whl/prelude.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+# The toolchain that builds the variant there (a device-built binary once crashed in C++ error paths where one
+# built elsewhere did not: record what built it).
+{ c++ --version | head -n 1; nvcc --version | tail -n 1; ldd --version | head -n 1; } 2>/dev/null
+# CSV rows carry the git revision: the device copy has no .git, so pass FUSED_MLP_GIT_REV=$(git rev-parse --short HEAD).
+export FUSED_MLP_GIT_REV="${FUSED_MLP_GIT_REV:-unknown}"
 t0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 for s in $stages; do
