@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import subprocess
 import sys
+import textwrap
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -37,7 +40,7 @@ from typing import Callable
 import pytest
 import torch
 from _utils import assert_2x_rule
-from conftest import ROOT
+from conftest import DEVICES, ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
 kernels = pytest.importorskip("kernels")
@@ -368,13 +371,11 @@ def test_sgd_loss_curve_matches(fm, device, family, dtype):
 # only Gemma (GemmaRMSNorm + GeGLU) goes through inductor, Llama (RMSNorm + SwiGLU) and GPT-2 (Conv1D) through
 # aot_eager (dynamo + AOT autograd: the same fullgraph capture and traced backward, without code generation; the
 # ops' inductor lowering is tested op by op in their own files). On CUDA every family goes through inductor.
-if torch.cuda.is_available():
-    COMPILE_CASES = [(f, "inductor") for f in sorted(FAMILIES)]
-else:
-    COMPILE_CASES = [("gemma", "inductor"), ("gpt2", "aot_eager"), ("llama", "aot_eager")]
+COMPILE_CASES = [("cpu", "gemma", "inductor"), ("cpu", "gpt2", "aot_eager"), ("cpu", "llama", "aot_eager")]
+COMPILE_CASES += [("cuda", f, "inductor") for f in sorted(FAMILIES) if "cuda" in DEVICES]
 
 
-@pytest.mark.parametrize("family,backend", COMPILE_CASES)
+@pytest.mark.parametrize("device,family,backend", COMPILE_CASES)
 def test_torch_compile_fullgraph_training(fm, device, family, backend):
     """Mode.TRAINING | Mode.TORCH_COMPILE, then torch.compile(model, fullgraph=True): one graph (no break), the
     fused-mlp ops inside it, forward and backward matching the eager model (fp32)."""
@@ -383,8 +384,6 @@ def test_torch_compile_fullgraph_training(fm, device, family, backend):
     assert_replaced(ours, family)
     graphs = []
 
-    if device == "cuda":
-        backend = "inductor"
     compiler = torch._dynamo.backends.registry.lookup_backend(backend)
 
     def recording_backend(gm, example_inputs):
@@ -457,6 +456,25 @@ def test_version_mismatch_is_reported(monkeypatch):
     monkeypatch.setenv("USE_HUB_KERNELS", "0")
     msg = hub_kernels_problem()
     assert msg is not None and "USE_HUB_KERNELS=0" in msg
+
+
+def test_version_mismatch_detected_in_a_real_process():
+    """The real situation, in a fresh process where importlib.metadata reports kernels 0.18.2 to transformers: the
+    decorated class is left untagged (nothing would be replaced) and the helper says why."""
+    code = textwrap.dedent(f"""
+        import importlib.metadata as md, json, sys
+        real = md.version
+        md.version = lambda name: "0.18.2" if name == "kernels" else real(name)
+        sys.path.insert(0, {str(ROOT / "tools")!r})
+        from hf_compat import hub_kernels_problem
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        print(json.dumps([hasattr(LlamaRMSNorm, "kernel_layer_name"), hub_kernels_problem()]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tagged, problem = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tagged is False
+    assert problem is not None and "does not accept kernels 0.18.2" in problem
 
 
 def _allow_kernel_config_on_cpu(monkeypatch, device: str) -> None:
@@ -561,4 +579,5 @@ def test_from_pretrained_with_local_kernel_config(fm, device, monkeypatch, tmp_p
     build("llama", device).save_pretrained(tmp_path)
     config = transformers.KernelConfig({"RMSNorm": f"{ROOT}:RMSNorm"}, use_local_kernel=True)
     with kernels.use_kernel_mapping({}):
-        transformers.LlamaForCausalLM.from_pretrained(tmp_path, use_kernels=True, kernel_config=config)
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path, use_kernels=True, kernel_config=config,
+                                                      device_map=device)
