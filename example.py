@@ -31,6 +31,9 @@ os.environ.setdefault("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tools"))
+from hf_compat import check_versions  # noqa: E402  (shared with the tests)
+
 # Gemma-shaped configs. "2b" has Gemma-2B's layer shapes (hidden 2048, GeGLU 16384, 8 heads, 1 KV head of 256).
 SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
@@ -47,21 +50,6 @@ HALF_FLOOR = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def check_versions() -> None:
-    """transformers only turns its kernel hooks on for the kernels versions it accepts: say so clearly."""
-    import kernels
-    import transformers
-    from transformers.utils import import_utils
-
-    lo, hi = getattr(import_utils, "KERNELS_MIN_VERSION", None), getattr(import_utils, "KERNELS_MAX_VERSION", None)
-    if not import_utils.is_kernels_available():
-        raise SystemExit(
-            f"transformers {transformers.__version__} does not accept kernels {kernels.__version__} "
-            f"(it wants {lo} <= kernels < {hi}) and silently disables its kernel hooks. "
-            "Install the pinned pair: pip install -r tools/requirements.txt (kernels==0.17.2, transformers==5.22.2)."
-        )
 
 
 def build_model(size: str, dtype: torch.dtype, device: str, seed: int = 0):
