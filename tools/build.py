@@ -26,7 +26,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,11 +251,41 @@ def add_op_namespace_prefix(op_name: str) -> str:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _esc(p: str | Path) -> str:
-    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+@dataclass
+class CompileFlags:
+    """Everything the compilers get for one variant, shared by the ninja build and tools/check_cuda_toolkits.py.
+    Per-source include directories come from `source_includes` (kernel-builder sets them per file)."""
+
+    cxx: list[str]  # g++ flags, defines and system includes
+    nvcc: list[str]  # nvcc flags (incl. -gencode), defines and system includes
+    ldflags: list[str]
 
 
-def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path:
+def gencode_flags(capabilities: list[str]) -> list[str]:
+    """SASS for every capability, plus PTX of the newest one so newer GPUs can JIT-compile the kernels."""
+    out = []
+    for cap in capabilities:
+        num = cap.replace(".", "")
+        out.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    newest = capabilities[-1].replace(".", "")
+    out.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+    return out
+
+
+def torch_nvcc_flags() -> list[str]:
+    """The nvcc flags kernel-builder derives from torch (utils.cmake get_torch_gpu_compiler_flags): torch's
+    COMMON_NVCC_FLAGS, minus the __CUDA_NO_HALF*/BFLOAT16 defines (removed for CUDA >= 11.8), plus -DENABLE_FP8."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    drop = {"-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-D__CUDA_NO_HALF2_OPERATORS__"}
+    return [f for f in COMMON_NVCC_FLAGS if f not in drop] + ["-DENABLE_FP8"]
+
+
+def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: list[str],
+                  extra_cuda_includes: list[Path] | None = None) -> CompileFlags:
+    """Compiler and linker flags of a `backend` variant built with toolchain `tc` for `capabilities`.
+    `extra_cuda_includes` go before the toolkit's own headers (the CUDA-toolkit check uses it)."""
     torch = _torch()
     if tc.cuda_home is not None:
         os.environ.setdefault("CUDA_HOME", str(tc.cuda_home))  # keeps cpp_extension from guessing (and warning)
@@ -265,51 +294,63 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
     torch_inc = cpp_extension.include_paths("cpu")[0]  # .../torch/include (no heavy api/ dir needed)
     torch_lib = cpp_extension.library_paths("cpu")[0]
     py_inc = sysconfig.get_paths()["include"]
-    gen = work / "gen"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+    defs = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPy_LIMITED_API=0x03090000"]
+    sys_inc = [f"-isystem {torch_inc}", f"-isystem {py_inc}"]
+    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    if backend == "cpu":
+        defs.append("-DCPU_KERNEL")
+    cxx = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    nvcc: list[str] = []
+    if backend == "cuda":
+        if tc.cuda_home is None or tc.nvcc is None:
+            raise BuildError("the cuda backend needs nvcc and a CUDA toolkit")
+        blas_inc, blas_lib, blas_link = find_cublaslt(tc.cuda_home)
+        defs += ["-DCUDA_KERNEL", "-DUSE_CUDA=1"]  # kernel-builder's per-backend macros
+        first = [f"-I{d}" for d in (extra_cuda_includes or [])]  # -I is searched before every -isystem
+        sys_inc += [f"-isystem {tc.cuda_home / 'include'}"]
+        if blas_inc != tc.cuda_home / "include":
+            sys_inc.append(f"-isystem {blas_inc}")
+        libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{tc.cuda_home / 'lib64'}", "-lcudart", f"-L{blas_lib}", blas_link]
+        nvcc = (["-O3", "-std=c++20", "-lineinfo", "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden",
+                 f"-ccbin={tc.cxx}"] + torch_nvcc_flags() + gencode_flags(capabilities) + cfg.cuda_flags()
+                + defs + first + sys_inc)
+    return CompileFlags(cxx=cxx + defs + sys_inc + cfg.cxx_flags(), nvcc=nvcc,
+                        ldflags=["-shared", "-fopenmp"] + libs)
+
+
+def source_includes(cfg: BuildConfig, src: Path, backend: str, gen: Path) -> list[str]:
+    """-I flags of one source, as kernel-builder gives them: the include directories of the build.toml section
+    that lists it (plus, for the binding, the directory of the generated registration.h)."""
+    dirs = cfg.include_dirs_for(src, backend)
+    if src in cfg.torch_src:
+        dirs = [gen, *dirs]
+    return [f"-I{d}" for d in dirs]
+
+
+def compiled_sources(cfg: BuildConfig, backend: str) -> list[Path]:
+    return [s for s in cfg.sources_for(backend) if s.suffix not in (".h", ".cuh", ".hpp")]
+
+
+def _esc(p: str | Path) -> str:
+    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path:
+    gen = work / "gen"
+    flags = compile_flags(cfg, v.backend, tc, v.capabilities)
 
     # TORCH_EXTENSION_NAME changes with every build's content hash, so only the binding files get it (a ninja
     # per-edge variable): a change elsewhere then recompiles the binding and relinks, not every kernel.
-    common_defs = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPy_LIMITED_API=0x03090000"]
-    includes = [f"-I{gen}", f"-I{ROOT / 'kernels_src'}", f"-I{ROOT / 'torch-ext'}", f"-isystem {torch_inc}",
-                f"-isystem {py_inc}"]
-    libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
-    if v.backend == "cpu":
-        common_defs.append("-DCPU_KERNEL")
-    cxxflags = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
-    nvccflags: list[str] = []
-    if v.backend == "cuda":
-        assert tc.cuda_home is not None
-        blas_inc, blas_lib, blas_link = find_cublaslt(tc.cuda_home)
-        common_defs += ["-DCUDA_KERNEL", "-DUSE_CUDA=1"]  # kernel-builder's per-backend macros
-        includes += [f"-isystem {tc.cuda_home / 'include'}"]
-        if blas_inc != tc.cuda_home / "include":
-            includes.append(f"-isystem {blas_inc}")
-        libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{tc.cuda_home / 'lib64'}", "-lcudart", f"-L{blas_lib}", blas_link]
-        gencode = []
-        for cap in v.capabilities:
-            num = cap.replace(".", "")
-            gencode.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        # PTX of the newest capability lets newer GPUs JIT-compile the kernels.
-        newest = v.capabilities[-1].replace(".", "")
-        gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
-        nvccflags = [
-            "-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr",
-            "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden",
-            # Same as torch's extension defaults: keep CUDA's half operators out of the way of c10's.
-            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-            f"-ccbin={tc.cxx}",
-        ] + gencode + cfg.cuda_flags()
-
     objs = []
     lines = [
         f"# Generated by tools/build.py for {v.name}; do not edit.",
         "ninja_required_version = 1.3",
         f"cxx = {tc.cxx}",
-        f"cxxflags = {' '.join(cxxflags + common_defs + includes + cfg.cxx_flags())}",
+        f"cxxflags = {' '.join(flags.cxx)}",
         "rule cxx",
-        "  command = $cxx -MMD -MF $out.d $cxxflags $defs -c $in -o $out",
+        "  command = $cxx -MMD -MF $out.d $cxxflags $incs $defs -c $in -o $out",
         "  depfile = $out.d",
         "  deps = gcc",
         "  description = CXX $in",
@@ -317,26 +358,25 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
     if v.backend == "cuda":
         lines += [
             f"nvcc = {tc.nvcc}",
-            f"nvccflags = {' '.join(nvccflags + common_defs + includes)}",
+            f"nvccflags = {' '.join(flags.nvcc)}",
             "rule nvcc",
-            "  command = $nvcc -MD -MF $out.d $nvccflags $defs -c $in -o $out",
+            "  command = $nvcc -MD -MF $out.d $nvccflags $incs $defs -c $in -o $out",
             "  depfile = $out.d",
             "  deps = gcc",
             "  description = NVCC $in",
         ]
     lines += [
-        f"ldflags = -shared -fopenmp {' '.join(libs)}",
+        f"ldflags = {' '.join(flags.ldflags)}",
         "rule link",
         "  command = $cxx $in -o $out $ldflags",
         "  description = LINK $out",
     ]
-    for src in cfg.sources_for(v.backend):
-        if src.suffix in (".h", ".cuh", ".hpp"):
-            continue
+    for src in compiled_sources(cfg, v.backend):
         rule = "nvcc" if src.suffix == ".cu" else "cxx"
         obj = work / "obj" / (str(src.relative_to(ROOT)).replace("/", "__") + ".o")
         objs.append(obj)
         lines.append(f"build {_esc(obj)}: {rule} {_esc(src)}")
+        lines.append(f"  incs = {' '.join(source_includes(cfg, src, v.backend, gen))}")
         if src in cfg.torch_src:
             lines.append(f"  defs = -DTORCH_EXTENSION_NAME={v.namespace}")
     so = work / f"{v.namespace}.abi3.so"
@@ -424,6 +464,7 @@ def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jo
     # Assemble the variant aside, then move it into place in one step.
     out_dir.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{v.name}.", dir=ROOT / ".build"))
+    stage.chmod(0o755)  # mkdtemp makes it private; the variant is read by whoever loads the kernel
     try:
         pkg_src = ROOT / "torch-ext" / cfg.python_name
         for py in sorted(pkg_src.rglob("*.py")):

@@ -1,14 +1,18 @@
 """build.toml reader and validator (the subset of kernel-builder's edition-5 schema this kernel uses).
 
-Unknown keys, unknown backends, bad names and CUDA kernels without capabilities are rejected with one line
-naming the problem, as kernel-builder rejects them.
+Unknown keys, unknown backends, bad names, unknown `depends`, malformed versions, include directories that do
+not exist and CUDA kernels without (or with unsupported) capabilities are rejected with one line naming the
+problem, as kernel-builder rejects them. `check_includes` additionally proves that every quoted `#include` of a
+listed source resolves the way kernel-builder's CMake resolves it (the file's own directory, then the
+`include` directories of the section that lists it), so a build.toml that only works with this builder's
+paths fails here instead of in Nix.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 NAME_RE = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")
@@ -18,6 +22,7 @@ ALL_BACKENDS = {"cpu", "cuda", "metal", "rocm", "xpu"}  # what kernel-builder's 
 GENERAL_KEYS = {"name", "version", "edition", "license", "backends", "hub", "python-depends", "kernel-depends",
                 "upstream", "source", "cuda"}
 GENERAL_CUDA_KEYS = {"minver", "maxver", "python-depends"}
+GENERAL_BACKEND_KEYS = {"python-depends"}  # [general.xpu] / [general.neuron] / [general.tpu]
 HUB_KEYS = {"repo-id", "branch"}
 TORCH_KEYS = {"src", "include", "pyext", "minver", "maxver", "cxx-flags", "stable-abi"}
 KERNEL_KEYS_ANY = {"backend", "src", "depends", "include", "cxx-flags"}
@@ -27,6 +32,13 @@ EDITION = 5
 KNOWN_PYTHON_DEPENDS = {"einops", "helion", "tvm-ffi", "nvidia-cutlass-dsl"}
 TOP_KEYS = {"general", "torch", "kernel"}
 CAPABILITY_RE = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
+# kernel-builder's `depends` values (kernels-data/src/config/deps.rs).
+KNOWN_DEPENDS = {"torch", "cutlass_2_10", "cutlass_3_5", "cutlass_3_6", "cutlass_3_8", "cutlass_3_9", "cutlass_4_0",
+                 "sycl_tla", "metal-cpp"}
+# Capabilities some CUDA toolkit kernel-builder builds with can compile (base numbers; a/f suffixes and +PTX allowed).
+SUPPORTED_CAPABILITIES = {"7.0", "7.2", "7.5", "8.0", "8.6", "8.7", "8.9", "9.0", "10.0", "10.1", "10.3", "11.0",
+                          "12.0", "12.1"}
+VERSION2_RE = re.compile(r"^\d+\.\d+$")  # kernel-builder's Version<2>, e.g. "2.10"
 
 
 class BuildConfigError(ValueError):
@@ -54,6 +66,7 @@ class Kernel:
     cuda_capabilities: list[str]
     cuda_flags: list[str]
     cxx_flags: list[str]
+    include: list[Path] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +80,8 @@ class BuildConfig:
     python_depends: list[str]
     torch_src: list[Path]
     kernels: list[Kernel]
+    torch_include: list[Path] = field(default_factory=list)
+    hub_branch: str | None = None
 
     @property
     def python_name(self) -> str:
@@ -81,6 +96,18 @@ class BuildConfig:
             if k.backend == backend:
                 files += [f for f in k.src if f not in files]
         return files
+
+    def include_dirs_for(self, src: Path, backend: str) -> list[Path]:
+        """The include directories kernel-builder gives `src` in a `backend` variant: those of the section that
+        lists it (its CMake sets INCLUDE_DIRECTORIES per source file: `[torch] include` for the binding files,
+        `[kernel.*] include` for a kernel's files); nothing else but the file's own directory is searched."""
+        dirs: list[Path] = []
+        if src in self.torch_src:
+            dirs += self.torch_include
+        for k in self.kernels:
+            if k.backend == backend and src in k.src:
+                dirs += [d for d in k.include if d not in dirs]
+        return dirs
 
     def cuda_capabilities(self) -> list[str]:
         caps: list[str] = []
@@ -106,7 +133,7 @@ def load_build_config(path: Path) -> BuildConfig:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise BuildConfigError(f"{path.name} is not valid TOML: {e}") from e
-    root = path.parent
+    root = path.resolve().parent
     _check_keys(data, TOP_KEYS, path.name)
 
     general = data.get("general")
@@ -142,10 +169,18 @@ def load_build_config(path: Path) -> BuildConfig:
     for dep in python_depends:
         if dep not in KNOWN_PYTHON_DEPENDS:
             raise BuildConfigError(f"[general] python-depends: {dep!r} is not a dependency kernel-builder knows")
+    hub_branch = hub.get("branch")
+    if hub_branch is not None and (not isinstance(hub_branch, str) or not hub_branch):
+        raise BuildConfigError(f"[general.hub] branch {hub_branch!r} must be a non-empty string")
     gcuda = general.get("cuda", {})
     if not isinstance(gcuda, dict):
         raise BuildConfigError("[general.cuda] must be a table")
     _check_keys(gcuda, GENERAL_CUDA_KEYS, "[general.cuda]")
+    for key in ("minver", "maxver"):
+        _version2(gcuda.get(key), f"[general.cuda] {key}")
+    for dep in _str_list(gcuda.get("python-depends", []), "[general.cuda] python-depends"):
+        if dep not in KNOWN_PYTHON_DEPENDS:
+            raise BuildConfigError(f"[general.cuda] python-depends: {dep!r} is not a dependency kernel-builder knows")
 
     torch_t = data.get("torch")
     if not isinstance(torch_t, dict):
@@ -154,6 +189,20 @@ def load_build_config(path: Path) -> BuildConfig:
     torch_src = [_src(root, s, "[torch] src") for s in _str_list(torch_t.get("src", []), "[torch] src")]
     if not torch_src:
         raise BuildConfigError("[torch] src is empty")
+    torch_include = [_dir(root, d, "[torch] include") for d in _str_list(torch_t.get("include", []), "[torch] include")]
+    for key in ("minver", "maxver"):
+        _version2(torch_t.get(key), f"[torch] {key}")
+    _str_list(torch_t.get("cxx-flags", []), "[torch] cxx-flags")
+    _str_list(torch_t.get("pyext", []), "[torch] pyext")
+    abi = torch_t.get("stable-abi")
+    if abi is not None:
+        for where, v in ([("[torch] stable-abi", abi)] if not isinstance(abi, dict)
+                         else [(f"[torch.stable-abi] {b}", v) for b, v in abi.items()]):
+            _version2(v, where)
+        if isinstance(abi, dict):
+            for b in abi:
+                if b not in ALL_BACKENDS:
+                    raise BuildConfigError(f"[torch.stable-abi]: unknown backend {b!r}")
 
     kernels = []
     for kname, k in (data.get("kernel") or {}).items():
@@ -178,15 +227,86 @@ def load_build_config(path: Path) -> BuildConfig:
             for c in caps:
                 if not CAPABILITY_RE.match(c):
                     raise BuildConfigError(f"{where} cuda-capabilities: {c!r} is not like '9.0'")
+                base = re.sub(r"[af]?(\+PTX)?$", "", c)
+                if base not in SUPPORTED_CAPABILITIES:
+                    raise BuildConfigError(f"{where} cuda-capabilities: {c!r} is not a capability kernel-builder "
+                                           f"supports ({sorted(SUPPORTED_CAPABILITIES, key=_cap_key)})")
+            _version2(k.get("cuda-minver"), f"{where} cuda-minver")
+        if "depends" not in k:
+            raise BuildConfigError(f"{where} has no depends (kernel-builder requires it, e.g. depends = [\"torch\"])")
+        depends = _str_list(k["depends"], f"{where} depends")
+        for dep in depends:
+            if dep not in KNOWN_DEPENDS:
+                raise BuildConfigError(f"{where} depends: {dep!r} is unknown (known: {sorted(KNOWN_DEPENDS)})")
+        include = [_dir(root, d, f"{where} include") for d in _str_list(k.get("include", []), f"{where} include")]
         kernels.append(Kernel(
             name=kname, backend=backend, src=src,
-            depends=_str_list(k.get("depends", []), f"{where} depends"),
+            depends=depends,
             cuda_capabilities=caps,
             cuda_flags=_str_list(k.get("cuda-flags", []), f"{where} cuda-flags"),
             cxx_flags=_str_list(k.get("cxx-flags", []), f"{where} cxx-flags"),
+            include=include,
         ))
+    if not kernels:
+        raise BuildConfigError("build.toml has no [kernel.*] section")
+    for b in backends:
+        if b in KNOWN_BACKENDS and not any(k.backend == b for k in kernels):
+            raise BuildConfigError(f"[general] backends lists {b!r} but no [kernel.*] section has backend {b!r}")
     return BuildConfig(root=root, name=name, version=version, license=license_, backends=backends,
-                       hub_repo_id=repo_id, python_depends=python_depends, torch_src=torch_src, kernels=kernels)
+                       hub_repo_id=repo_id, python_depends=python_depends, torch_src=torch_src, kernels=kernels,
+                       torch_include=torch_include, hub_branch=hub_branch)
+
+
+def _cap_key(c: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", c))
+
+
+def _version2(value, where: str) -> None:
+    if value is not None and (not isinstance(value, str) or not VERSION2_RE.match(value)):
+        raise BuildConfigError(f"{where} {value!r} must be a version like \"2.10\"")
+
+
+def _dir(root: Path, rel: str, where: str) -> Path:
+    if Path(rel).is_absolute():
+        raise BuildConfigError(f"{where}: {rel} must be relative to the project root")
+    p = (root / rel).resolve()
+    if not p.is_dir():
+        raise BuildConfigError(f"{where}: {rel} is not a directory")
+    return p
+
+
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+GENERATED_HEADERS = {"registration.h"}  # written by kernel-builder (and tools/build.py) next to the binding
+
+
+def check_includes(cfg: BuildConfig) -> None:
+    """Every quoted #include of every compiled source (and of the project headers it pulls in) must resolve
+    as kernel-builder's CMake resolves it: the including file's directory, then the include directories of
+    the section that lists the source. Raises BuildConfigError naming the first include that does not."""
+    for backend in sorted(set(cfg.backends) & KNOWN_BACKENDS):
+        for src in cfg.sources_for(backend):
+            if src.suffix in (".h", ".cuh", ".hpp"):
+                continue
+            dirs = cfg.include_dirs_for(src, backend)
+            seen: set[Path] = set()
+            todo = [src]
+            while todo:
+                f = todo.pop()
+                if f in seen:
+                    continue
+                seen.add(f)
+                for name in INCLUDE_RE.findall(f.read_text(errors="replace")):
+                    if name in GENERATED_HEADERS and src in cfg.torch_src:
+                        continue
+                    hit = next((d / name for d in [f.parent, *dirs] if (d / name).is_file()), None)
+                    if hit is None:
+                        rel = src.relative_to(cfg.root) if src.is_relative_to(cfg.root) else src
+                        raise BuildConfigError(
+                            f'{rel} ({backend}): #include "{name}" (in {f.name}) is not found in the file\'s '
+                            f"directory or the section's include directories "
+                            f"{[str(d.relative_to(cfg.root)) for d in dirs]}: add it to `include` in build.toml")
+                    if hit.resolve().is_relative_to(cfg.root.resolve()):
+                        todo.append(hit.resolve())
 
 
 def _src(root: Path, rel: str, where: str) -> Path:
