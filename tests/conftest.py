@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO_ID = "kernels-community/fused-mlp"
@@ -15,6 +16,23 @@ REPO_ID = "kernels-community/fused-mlp"
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# ---- hypothesis profiles -----------------------------------------------------------------------------------
+# "ci" (default): few, fixed examples per property test (derandomized: every CI run tests the same cases, and a
+#   failure reproduces with the same command). tests/test_properties.py takes ~2 minutes on 2 cores with it.
+# "gpu": the large sweep for the GPU machine, >= 2000 examples per property test, fresh random examples each run
+#   (a failure prints the seed and a reproduction blob; rerun with `--hypothesis-seed=<seed>`):
+#       HYPOTHESIS_PROFILE=gpu python -m pytest tests/test_properties.py -q
+# Tests with an explicit @settings(max_examples=...) keep their count under both profiles.
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", max_examples=24, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+settings.register_profile("gpu", max_examples=2000, deadline=None, derandomize=False, database=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+# "dev": a random sweep of a few hundred examples per test, for a CPU machine (~10 minutes on 2 cores).
+settings.register_profile("dev", max_examples=300, deadline=None, derandomize=False, database=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])

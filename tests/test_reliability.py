@@ -90,6 +90,148 @@ def test_bad_input_raises_naming_the_argument(fm, device, case):
     assert case.arg in str(info.value), f"message does not name {case.arg!r}: {info.value}"
 
 
+# ---- the bad-input matrix for the layers ---------------------------------------------------------------------
+# A kernelized module gets whatever the model feeds it. Each case either gives the module's own result, or raises
+# a clear error naming the argument, or refuses exactly what the module itself refuses — never a crash, a hang or
+# a silently different value.
+
+
+@dataclass
+class BadLayer:
+    name: str
+    layer: str  # attribute of fm.layers
+    module: Callable  # () -> the transformers / torch module (CPU, fp32 unless the case says otherwise)
+    x: Callable  # () -> the input
+    args: tuple  # names any of which the message may use for the offending argument
+
+
+def _hf(path: str, cls: str):
+    transformers = pytest.importorskip("transformers")
+    del transformers
+    import importlib
+
+    return getattr(importlib.import_module(path), cls)
+
+
+def _llama_norm(n=8, **kw):
+    m = _hf("transformers.models.llama.modeling_llama", "LlamaRMSNorm")(n)
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def _gemma_norm(n=8, **kw):
+    m = _hf("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm")(n)
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def _gemma_mlp(dtype=F32):
+    mod = _hf("transformers.models.gemma.modeling_gemma", "GemmaMLP")
+    cfg = _hf("transformers.models.gemma.modeling_gemma", "GemmaConfig")(hidden_size=8, intermediate_size=16,
+                                                                        hidden_act="gelu_pytorch_tanh")
+    return mod(cfg).to(dtype)
+
+
+def _conv1d(nf=5, nx=8):
+    return _hf("transformers.pytorch_utils", "Conv1D")(nf, nx)
+
+
+def _with(module, **params):
+    for k, v in params.items():
+        setattr(module, k, torch.nn.Parameter(v, requires_grad=v.is_floating_point()) if v is not None else None)
+    return module
+
+
+F64 = torch.float64
+BAD_LAYER_INPUTS = [
+    BadLayer("RMSNorm int input", "RMSNorm", _llama_norm, lambda: _i(4, 8), ("x", "hidden_states")),
+    BadLayer("RMSNorm fp64 input", "RMSNorm", lambda: _llama_norm().double(), lambda: _t(4, 8, dtype=F64),
+             ("x", "hidden_states")),
+    BadLayer("RMSNorm wrong hidden size", "RMSNorm", _llama_norm, lambda: _t(4, 9), ("weight",)),
+    BadLayer("RMSNorm 2-D weight", "RMSNorm", lambda: _with(_llama_norm(), weight=torch.ones(1, 8)),
+             lambda: _t(4, 8), ("weight",)),
+    BadLayer("RMSNorm int weight", "RMSNorm", lambda: _with(_llama_norm(), weight=torch.ones(8, dtype=torch.int32)),
+             lambda: _t(4, 8), ("weight",)),
+    BadLayer("RMSNorm NaN eps", "RMSNorm", lambda: _llama_norm(variance_epsilon=float("nan")), lambda: _t(4, 8),
+             ("eps", "variance_epsilon")),
+    BadLayer("RMSNorm negative eps", "RMSNorm", lambda: _llama_norm(variance_epsilon=-1.0), lambda: _t(4, 8),
+             ("eps", "variance_epsilon")),
+    BadLayer("RMSNorm 0-d input", "RMSNorm", lambda: _llama_norm(1), lambda: torch.tensor(1.0), ("x", "hidden")),
+    BadLayer("GemmaRMSNorm int input", "GemmaRMSNorm", _gemma_norm, lambda: _i(4, 8), ("x",)),
+    BadLayer("GemmaRMSNorm wrong hidden size", "GemmaRMSNorm", _gemma_norm, lambda: _t(2, 3, 7), ("weight",)),
+    BadLayer("GemmaRMSNorm inf eps", "GemmaRMSNorm", lambda: _gemma_norm(eps=float("inf")), lambda: _t(4, 8),
+             ("eps",)),
+    BadLayer("GemmaRMSNorm fp64", "GemmaRMSNorm", lambda: _gemma_norm().double(), lambda: _t(4, 8, dtype=F64),
+             ("x",)),
+    BadLayer("GeGLUMLP wrong hidden size", "GeGLUMLP", _gemma_mlp, lambda: _t(4, 9), ("x", "mat1", "input")),
+    BadLayer("GeGLUMLP int input", "GeGLUMLP", _gemma_mlp, lambda: _i(4, 8), ("x",)),
+    BadLayer("GeGLUMLP fp64 module", "GeGLUMLP", lambda: _gemma_mlp(F64), lambda: _t(4, 8, dtype=F64), ("x",)),
+    BadLayer("GeGLUMLP bf16 input, fp32 weights", "GeGLUMLP", _gemma_mlp, lambda: _t(4, 8, dtype=BF16), ("x",)),
+    BadLayer("Linear wrong in_features", "Linear", lambda: torch.nn.Linear(8, 5), lambda: _t(4, 9),
+             ("input", "weight")),
+    BadLayer("Linear int input", "Linear", lambda: torch.nn.Linear(8, 5), lambda: _i(4, 8), ("input",)),
+    BadLayer("Linear bf16 input, fp32 weight", "Linear", lambda: torch.nn.Linear(8, 5),
+             lambda: _t(4, 8, dtype=BF16), ("input", "weight")),
+    BadLayer("Linear fp64", "Linear", lambda: torch.nn.Linear(8, 5).double(), lambda: _t(4, 8, dtype=F64),
+             ("input",)),
+    BadLayer("Linear bias length", "Linear", lambda: _with(torch.nn.Linear(8, 5), bias=torch.zeros(4)),
+             lambda: _t(4, 8), ("bias",)),
+    BadLayer("Linear 1-D weight", "Linear", lambda: _with(torch.nn.Linear(8, 5), weight=torch.ones(8)),
+             lambda: _t(4, 8), ("weight",)),
+    BadLayer("Conv1D wrong nx", "Conv1D", _conv1d, lambda: _t(4, 9), ("mat1", "mat2", "x")),
+    BadLayer("Conv1D int input", "Conv1D", _conv1d, lambda: _i(4, 8), ("mat1", "x")),
+    BadLayer("Conv1D fp16 input, fp32 weight", "Conv1D", _conv1d, lambda: _t(4, 8, dtype=torch.float16),
+             ("mat1", "mat2")),
+    BadLayer("Conv1D bias length", "Conv1D", lambda: _with(_conv1d(), bias=torch.zeros(6)), lambda: _t(4, 8),
+             ("bias",)),
+    BadLayer("Conv1D 0-d input", "Conv1D", _conv1d, lambda: torch.tensor(1.0), ("mat1", "x")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_LAYER_INPUTS, ids=[c.name for c in BAD_LAYER_INPUTS])
+def test_layer_bad_input_matches_module_or_raises_clearly(fm, case):
+    module, x = case.module(), case.x()
+    try:
+        expected = type(module).forward(module, x)
+        module_error = None
+    except Exception as e:  # what the replaced module itself does with this input
+        expected, module_error = None, e
+    try:
+        out = getattr(fm.layers, case.layer).forward(module, x)
+    except (ValueError, TypeError, RuntimeError) as e:
+        named = any(a in str(e) for a in case.args)
+        assert named or module_error is not None, (
+            f"the module accepts this input but the layer refuses it without naming {case.args}: {e}")
+        return
+    assert module_error is None, f"the layer silently accepted an input the module refuses ({module_error!r})"
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_import_touches_no_network():
+    """Loading the package and running every op and layer works with every socket call blocked and without
+    HF_HUB_OFFLINE (tests/test_loading.py's NO_NETWORK child)."""
+    from test_loading import run_child
+
+    out = run_child(
+        f"""
+        import os, pathlib, torch, kernels
+        os.environ.pop("HF_HUB_OFFLINE", None)
+        fm = kernels.get_local_kernel(pathlib.Path({str(ROOT)!r}))
+        x = torch.randn(3, 16)
+        fm.rms_norm(x, torch.ones(16)); fm.geglu(x, x); fm.swiglu(x, x)
+        fm.addmm(None, x, torch.randn(16, 4)); fm.linear(x, torch.randn(4, 16))
+        fm.gated_mlp(x, torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8))
+        lin = torch.nn.Linear(16, 4)
+        print("ok", tuple(fm.layers.Linear.forward(lin, x).shape))
+        """,
+        {"HF_HUB_OFFLINE": "0"},
+    )
+    assert "ok (3, 4)" in out
+
+
 # ---- values that are valid but extreme ------------------------------------------------------------------------
 
 
@@ -137,6 +279,80 @@ def test_huge_hidden_size(fm, device):
         torch.testing.assert_close(ours(), ref(), rtol=2e-5, atol=2e-5, msg=name)
 
 
+def _huge_n_cases(fm, device: str, n: int):
+    """(name, fn(*inputs), reference(*inputs), inputs) for every public op at hidden size n, with small other dims:
+    the inputs require grad so forward and backward are both checked."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def t(*shape, scale=1.0, dtype=F32):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    x, r, w = t(2, n), t(2, n), 1 + 0.25 * t(n)
+    wg, wu, wd = t(4, n, scale=n**-0.5), t(4, n, scale=n**-0.5), t(n, 4, scale=0.5)
+    a, b16, lw, lb = t(2, 16), t(16, n, scale=0.25), t(3, n, scale=n**-0.5), t(3)
+    return [
+        ("rms_norm", lambda x, w: fm.rms_norm(x, w), lambda x, w: fm.rms_norm_reference(x, w), (x, w)),
+        ("rms_norm gemma+residual fp32 stream",
+         lambda x, w, r: fm.rms_norm(x, w, offset=1.0, residual=r, residual_dtype=F32)[0],
+         lambda x, w, r: fm.rms_norm_reference(x, w, offset=1.0, residual=r, residual_dtype=F32)[0], (x, w - 1, r)),
+        ("rms_norm bf16 fp32-weight", lambda x, w: fm.rms_norm(x, w), lambda x, w: fm.rms_norm_reference(x, w),
+         (x.to(BF16), w)),
+        ("geglu", lambda a, b: fm.geglu(a, b), lambda a, b: fm.geglu_reference(a, b), (x, r)),
+        ("geglu erf", lambda a, b: fm.geglu(a, b, approximate="none"),
+         lambda a, b: fm.geglu_reference(a, b, approximate="none"), (x, r)),
+        ("swiglu", lambda a, b: fm.swiglu(a, b), lambda a, b: fm.swiglu_reference(a, b), (x, r)),
+        ("gated_mlp H=n", lambda *p: fm.gated_mlp(*p, activation="silu"),
+         lambda *p: fm.gated_mlp_reference(*p, activation="silu"), (x, wg, wu, wd)),
+        ("gated_mlp I=n", lambda *p: fm.gated_mlp(*p), lambda *p: fm.gated_mlp_reference(*p),
+         (a[:, :4], wd, wd.clone(), wg)),
+        ("addmm N=n gelu", lambda bias, m1, m2: fm.addmm(bias, m1, m2, activation="gelu"),
+         lambda bias, m1, m2: fm.addmm_reference(bias, m1, m2, activation="gelu"), (w, a, b16)),
+        ("linear K=n", lambda i, w, b: fm.linear(i, w, b, activation="gelu_tanh"),
+         lambda i, w, b: fm.linear_reference(i, w, b, activation="gelu_tanh"), (x, lw, lb)),
+    ]
+
+
+def test_huge_n_every_op_forward_and_backward(fm, device):
+    """N = 262144 for every op (the wide / multi-pass kernel paths), forward and backward, against the fp32
+    reference's autograd (inputs are fp32 except the bf16 case, whose reference runs on fp32 copies)."""
+    n = 262144
+    for name, ours, ref, inputs in _huge_n_cases(fm, device, n):
+        mine = [i.detach().clone().requires_grad_() for i in inputs]
+        theirs = [i.detach().float().requires_grad_() for i in inputs]
+        out, expected = ours(*mine), ref(*theirs)
+        tol = 2e-2 if out.dtype == BF16 else 2e-5
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol, msg=name)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device)
+        torch.autograd.backward(out, dy.to(out.dtype))
+        torch.autograd.backward(expected, dy)
+        for k, (a, b) in enumerate(zip(mine, theirs)):
+            scale = max(b.grad.abs().max().item(), 1.0)
+            torch.testing.assert_close(a.grad.float(), b.grad, rtol=tol, atol=tol * scale,
+                                       msg=lambda m, k=k: f"{name}: grad {k}: {m}")
+
+
+def test_huge_n_layers(fm, device):
+    """The layers at N = 262144 against the modules they replace (fp32: equal to ~1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.pytorch_utils import Conv1D
+
+    n = 262144
+    torch.manual_seed(3)
+    x = torch.randn(2, n, device=device)
+    modules = [(fm.layers.RMSNorm, LlamaRMSNorm(n)), (fm.layers.GemmaRMSNorm, GemmaRMSNorm(n)),
+               (fm.layers.Linear, torch.nn.Linear(n, 3)), (fm.layers.Conv1D, Conv1D(3, n))]
+    for layer, module in modules:
+        module = module.to(device)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0, 0.05)
+        torch.testing.assert_close(layer.forward(module, x), module(x), rtol=2e-5, atol=2e-5,
+                                   msg=type(module).__name__)
+    del transformers
+
+
 def test_empty_inputs_give_empty_results(fm, device):
     for name, ours, ref in _ops(fm, device, 64, m=0):
         out = ours()
@@ -168,6 +384,110 @@ def test_bitwise_deterministic(fm, device, dtype):
     second = _fwd_bwd(fm, device, dtype, 0)
     for i, (a, b) in enumerate(zip(first, second)):
         assert torch.equal(a, b), f"output {i} differs between identical runs"
+
+
+def _op_runs(fm, device: str):
+    """(name, run) for every op and layer: run() builds the inputs from a fixed seed, does forward and backward, and
+    returns every output and gradient. Shapes span several blocks / row chunks of each reduction (dW, db)."""
+    big = device == "cuda"
+    m, n = (4096, 1536) if big else (700, 384)
+
+    def inputs(seed, *shapes, dtype=F32, scale=1.0):
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randn(*s, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_()
+                for s in shapes]
+
+    def grads(outs, leaves):
+        g = torch.Generator().manual_seed(99)
+        dys = [torch.randn(o.shape, generator=g).to(device=device, dtype=o.dtype) for o in outs]
+        torch.autograd.backward(outs, dys)
+        return [o.detach().clone() for o in outs] + [t.grad.clone() for t in leaves]
+
+    def rms(dtype, **kw):
+        def run():
+            x, w, r = inputs(0, (m, n), (n,), (m, n), dtype=dtype)
+            y, h = fm.rms_norm(x, w, residual=r, **kw)
+            return grads([y, h], [x, w, r])
+        return run
+
+    def rms_wide():
+        x, w = inputs(1, (8 if big else 2, 65537), (65537,), dtype=BF16)
+        return grads([fm.rms_norm(x, w, offset=1.0)], [x, w])
+
+    def gated(approximate):
+        def run():
+            gate, up = inputs(2, (m, n), (m, n), dtype=BF16)
+            fn = fm.swiglu if approximate is None else (lambda a, b: fm.geglu(a, b, approximate=approximate))
+            return grads([fn(gate, up)], [gate, up])
+        return run
+
+    def mlp():
+        x, wg, wu, wd, bd = inputs(3, (m // 4, 256), (512, 256), (512, 256), (256, 512), (256,), dtype=BF16,
+                                   scale=0.06)
+        return grads([fm.gated_mlp(x, wg, wu, wd, None, None, bd)], [x, wg, wu, wd, bd])
+
+    def addmm(act, bias_dtype):
+        def run():
+            x, w = inputs(4, (m, 96), (96, 200), dtype=BF16)
+            (b,) = inputs(5, (200,), dtype=bias_dtype)
+            return grads([fm.addmm(b, x, w, activation=act)], [b, x, w])
+        return run
+
+    def linear_layer():
+        torch.manual_seed(6)
+        lin = torch.nn.Linear(96, 200).to(device=device, dtype=BF16)
+        (x,) = inputs(6, (m, 96), dtype=BF16)
+        y = fm.layers.Linear.forward(lin, x)
+        return grads([y], [x, lin.weight, lin.bias])
+
+    return [
+        ("rms_norm+residual fp32", rms(F32)),
+        ("rms_norm+residual bf16 fp32 stream", rms(BF16, residual_dtype=F32, offset=1.0)),
+        ("rms_norm wide", rms_wide),
+        ("geglu tanh", gated("tanh")),
+        ("geglu erf", gated("none")),
+        ("swiglu", gated(None)),
+        ("gated_mlp", mlp),
+        ("addmm gelu fp32 bias", addmm("gelu", F32)),
+        ("addmm gelu_tanh", addmm("gelu_tanh", BF16)),
+        ("addmm none", addmm(None, BF16)),
+        ("Linear layer", linear_layer),
+    ]
+
+
+def test_every_op_bitwise_deterministic(fm, device):
+    """Forward outputs and every gradient (dW, db reductions included) are bitwise identical run to run."""
+    for name, run in _op_runs(fm, device):
+        first, second = run(), run()
+        for i, (a, b) in enumerate(zip(first, second)):
+            assert torch.equal(a, b), f"{name}: result {i} differs between identical runs"
+
+
+def test_cpu_results_independent_of_thread_count(fm):
+    """What the CPU kernels promise (kernels_src/cpu/*.cpp): rms_norm's dW is summed from a fixed number of row
+    chunks (a function of M only) and addmm's db per column in a fixed row order, so torch.set_num_threads(1) and
+    (2) give bitwise the same dW / db — and the same y, dx, h (row-parallel, no cross-row sums) and geglu results
+    (elementwise). addmm's dX / dW and gated_mlp go through ATen's GEMMs / sums, which promise nothing across
+    thread counts: not checked."""
+    old = torch.get_num_threads()
+    runs = dict(_op_runs(fm, "cpu"))
+    checks = {
+        "rms_norm+residual fp32": None, "rms_norm+residual bf16 fp32 stream": None, "rms_norm wide": None,
+        "geglu tanh": None, "geglu erf": None, "swiglu": None,
+        # addmm: db is result 1 (the bias is the first leaf); y, dx, dW come from ATen's GEMM
+        "addmm gelu fp32 bias": (1,), "addmm gelu_tanh": (1,), "addmm none": (1,),
+    }
+    try:
+        results = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results[threads] = {name: runs[name]() for name in checks}
+    finally:
+        torch.set_num_threads(old)
+    for name, which in checks.items():
+        one, two = results[1][name], results[2][name]
+        for i in (range(len(one)) if which is None else which):
+            assert torch.equal(one[i], two[i]), f"{name}: result {i} depends on the thread count"
 
 
 # ---- CUDA graphs, streams, threads ---------------------------------------------------------------------------
@@ -294,3 +614,18 @@ def test_missing_variant_gives_a_clear_error(tmp_path):
             shutil.rmtree(variant)
     proc = _load_in_child(root, backend="cpu")
     assert proc.returncode != 0 and "Cannot find a build variant" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_digest_detects_a_changed_file(tmp_path):
+    """SECURITY.md's integrity check: the metadata digest (kernels' Digest API) rejects a variant whose files
+    changed after the build, and accepts the untouched copy."""
+    from kernels._rust import Digest, DigestValidationError, Metadata
+
+    root = _copy_build(tmp_path)
+    for v in sorted(p for p in (root / "build").iterdir() if p.is_dir()):
+        meta = Metadata.read_from_file(v / "metadata.json")
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, str(v)))
+        layers = v / "layers.py"
+        layers.write_text(layers.read_text() + "\nimport os  # tampered\n")
+        with pytest.raises(DigestValidationError):
+            meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, str(v)))

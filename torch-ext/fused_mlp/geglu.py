@@ -68,14 +68,20 @@ class _GatedActFunction(torch.autograd.Function):
     """``act(gate) * up``. Contiguous inputs of any rank go in as they are, so the op's output already has the
     caller's shape: a view taken after ``apply`` would put a ViewBackward node in front of this Function, where the
     engine casts an fp32 incoming gradient to the output dtype (defeating ``set_output_grad_dtype``). Row-strided
-    inputs (e.g. ``x.chunk(2, -1)`` halves) come in as 2-D rows.
+    inputs (e.g. ``x.chunk(2, -1)`` halves) come in as 2-D rows, and in eager mode ``shape`` (the caller's) makes the
+    Function hand back h in that shape itself, for the same reason.
 
     Classic ``forward(ctx, ...)`` form: with a separate ``setup_context``, ``apply`` binds the signature with
     ``inspect`` on every call (tens of microseconds)."""
 
     @staticmethod
-    def forward(ctx, gate, up, activation):
+    def forward(ctx, gate, up, activation, shape):
         h = ops.geglu_fwd(gate, up, activation)
+        if shape is not None and h.shape != shape:
+            # Rows of a strided [..., I] input (eager): hand back the caller's shape from here, as a tensor of its
+            # own (detached: a view returned from a Function refuses in-place ops; h is not saved, so nothing else
+            # refers to the rows).
+            h = h.view(shape).detach()
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
         # An fp32 gradient arriving at a bf16/fp16 h reaches the kernel uncast (it reads fp32 or h's dtype).
@@ -94,6 +100,7 @@ class _GatedActFunction(torch.autograd.Function):
         return (
             dgate.view(shape) if ctx.needs_input_grad[0] else None,
             dup.view(shape) if ctx.needs_input_grad[1] else None,
+            None,
             None,
         )
 
@@ -117,12 +124,15 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
     # Eager, contiguous inputs of any rank: the op allocates h in the caller's shape (no view after the autograd
     # node). Under torch.compile the contiguity test would guard on (possibly unbacked) token counts, and
     # AOTAutograd traces the backward as one graph anyway: rows there.
-    if not torch.compiler.is_compiling() and gate.is_contiguous() and up.is_contiguous():
-        return _GatedActFunction.apply(gate, up, activation) if training else ops.geglu_fwd(gate, up, activation)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and gate.is_contiguous() and up.is_contiguous():
+        return _GatedActFunction.apply(gate, up, activation, None) if training else ops.geglu_fwd(gate, up, activation)
     lead = gate.shape[:-1]
     g2 = _as_rows(gate, n)
     u2 = _as_rows(up, n)
-    h = _GatedActFunction.apply(g2, u2, activation) if training else ops.geglu_fwd(g2, u2, activation)
+    if training and not compiling:  # strided eager inputs: the Function returns the caller's shape itself
+        return _GatedActFunction.apply(g2, u2, activation, gate.shape)
+    h = _GatedActFunction.apply(g2, u2, activation, None) if training else ops.geglu_fwd(g2, u2, activation)
     return h.view(*lead, n)
 
 

@@ -71,7 +71,8 @@ def _grad_in(g: torch.Tensor, n: int, base: torch.dtype) -> torch.Tensor:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """Inputs are already 2-D rows (reshaped before ``apply`` so ranks stay stable under torch.compile).
+    """Inputs are contiguous ``[..., N]`` (eager: the outputs then have the caller's shape, no view after ``apply``)
+    or 2-D rows (under torch.compile, reshaped before ``apply`` so ranks stay stable, and for strided inputs).
 
     Classic ``forward(ctx, ...)`` form on purpose: with a separate ``setup_context`` torch binds the arguments
     through ``inspect.signature`` on every ``apply`` (~100 us per call on a slow CPU)."""
@@ -94,7 +95,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh, _drstd):
         h, rstd, weight = ctx.saved_tensors
-        n = h.shape[1]
+        shape = h.shape  # the caller's [..., N] (eager, contiguous inputs) or 2-D rows
+        n = shape[-1]
+        h = _as_rows(h, n)  # a view: h is contiguous when it is not 2-D already
         base = ctx.x_dtype
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if dy is None:  # only h was used downstream
@@ -106,6 +109,8 @@ class _RMSNormFunction(torch.autograd.Function):
         if ctx.has_residual and need_res and ctx.residual_dtype == torch.float32:
             grad_dtype = torch.float32
         dx, dw = _bwd(dy, h, rstd, weight, extra, ctx.offset, grad_dtype, bool(need_w and weight is not None))
+        if len(shape) != 2:
+            dx = dx.view(shape)
         dres = None
         if ctx.has_residual and need_res:
             dres = dx if ctx.residual_dtype == dx.dtype else dx.to(ctx.residual_dtype)
@@ -187,24 +192,39 @@ def rms_norm(
         or (weight is not None and weight.requires_grad)
         or (residual is not None and residual.requires_grad)
     ):
-        # Autograd: 2-D rows into the Function (stable ranks under torch.compile), views back out.
-        x2 = _as_rows(x, n)
-        if res2 is not None:
-            res2 = _as_rows(res2, n)
-        y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
-        if x.dim() != 2:
-            y = y.view(x.shape)
-            h = h.view(x.shape) if residual is not None else h
+        if x.dim() != 2 and not torch.compiler.is_compiling():
+            # Eager, any rank but 2: the op takes [..., N] (contiguous) and allocates y and h in the caller's shape.
+            # A view taken after `apply` would put a ViewBackward node in front of the Function, where the engine
+            # casts an fp32 incoming gradient to y's dtype (defeating set_output_grad_dtype); a strided N-D input
+            # costs a copy instead.
+            x = x if x.is_contiguous() else x.contiguous()
+            if res2 is not None and not res2.is_contiguous():
+                res2 = res2.contiguous()
+            y, h, _ = _RMSNormFunction.apply(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+        else:
+            # 2-D inputs (any row stride: the kernels read it in place; y already has x's shape) and torch.compile
+            # (stable ranks; AOTAutograd traces the backward as one graph anyway): 2-D rows into the Function.
+            x2 = _as_rows(x, n)
+            if res2 is not None:
+                res2 = _as_rows(res2, n)
+            y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+            if x.dim() != 2:
+                y = y.view(x.shape)
+                h = h.view(x.shape) if residual is not None else h
     else:
         # Inference: straight to the kernel. It takes [..., N] itself (viewing the rows in C++ is far cheaper
         # than a reshape and a view here); only non-viewable layouts are made contiguous first.
-        x2 = x if (x.dim() == 2 and (n <= 1 or x.stride(1) == 1)) or x.is_contiguous() else _as_rows(x, n)
-        if res2 is not None and not ((res2.dim() == 2 and (n <= 1 or res2.stride(1) == 1)) or res2.is_contiguous()):
-            res2 = _as_rows(res2, n)
-        y, h, _ = _fwd(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
-        if x2 is not x:  # a non-viewable x went through _as_rows
-            y = y.view(x.shape)
-            h = h.view(x.shape) if residual is not None else h
+        # x and the residual go in together: both as they are, or both as 2-D rows (the op wants one shape).
+        if ((x.dim() == 2 and (n <= 1 or x.stride(1) == 1)) or x.is_contiguous()) and (
+            res2 is None or (res2.dim() == 2 and (n <= 1 or res2.stride(1) == 1)) or res2.is_contiguous()
+        ):
+            y, h, _ = _fwd(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+        else:
+            y, h, _ = _fwd(_as_rows(x, n), None if res2 is None else _as_rows(res2, n), weight, eps, offset,
+                           kernel_out_dtype, h_dtype)
+            if x.dim() != 2:
+                y = y.view(x.shape)
+                h = h.view(x.shape) if residual is not None else h
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     if residual is None:
