@@ -25,19 +25,29 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
-def make_model(device: torch.device):
+# The tiny Gemma shape these tests train (GemmaConfig keyword arguments); benchmarks/scale.py overrides it.
+TINY_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=16)
+
+
+def make_model(device: torch.device, config: dict | None = None, *, init_device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None):
+    """A GemmaForCausalLM (tanh-GeLU, sdpa) with seed-0 random weights and non-zero norm weights (Gemma
+    initialises them to 0, which would hide the `1 + w` term). `config` overrides TINY_CONFIG; `init_device`
+    is where the weights are initialised (the device itself for large models: the same seed gives the same
+    weights in every process of one GPU type); `dtype` casts the parameters."""
     import transformers as tf
 
-    cfg = tf.GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                         hidden_activation="gelu_pytorch_tanh", attn_implementation="sdpa")
+    cfg = tf.GemmaConfig(**{**TINY_CONFIG, **(config or {})}, hidden_activation="gelu_pytorch_tanh",
+                         attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = tf.GemmaForCausalLM(cfg)
+    with torch.device(init_device):
+        model = tf.GemmaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.1)
-    return model.to(device)
+    return model.to(device) if dtype is None else model.to(device, dtype)
 
 
 def kernelize_model(model, device: torch.device):
