@@ -5,6 +5,7 @@ value, and per op / mode tables of ours vs every anchor. No number here is typed
 
     python benchmarks/report.py benchmarks/results/nvidia-h200/*.csv benchmarks/results/cpu-*/sweep.csv
     python benchmarks/report.py <csvs...> --out benchmarks/results/RESULTS.md --write-readme README.md
+    python benchmarks/report.py --scale DIR/scale.csv     # benchmarks/scale.py's CSV as a markdown table
 
 ``--write-readme`` replaces the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` (appending the
 markers at the end when the README has none). The README gets the targets and compact tables (the anchor / target
@@ -415,6 +416,55 @@ def render(rows: list[dict[str, str]], *, max_shapes: int | None, tables: bool =
     return "\n".join(lines).rstrip() + "\n"
 
 
+def scale_table(rows: list[dict[str, str]]) -> list[str]:
+    """Markdown from ``benchmarks/scale.py``'s ``scale.csv``: training tokens/s per GPU per (engine, world), eager vs
+    kernelized, the kernelized/eager ratio and the scaling efficiency (per-GPU tokens/s on N GPUs over 1 GPU, same
+    engine and variant). Every number comes from the CSV."""
+    if not rows:
+        return ["(no rows)"]
+    val: dict[tuple[str, int, bool], dict[str, str]] = {}
+    for r in rows:
+        val[(r["engine"], int(r["world"]), r["kernelized"] == "true")] = r
+
+    def tps(key: tuple[str, int, bool]) -> float | None:
+        r = val.get(key)
+        return fnum(r["tokens_per_s_per_gpu"]) if r else None
+
+    def num(v: float | None, fmt: str) -> str:
+        return "—" if v is None else format(v, fmt)
+
+    r0 = rows[0]
+    unit = "GPU" if r0.get("device") == "cuda" else "process"
+    lines = [f"{r0.get('gpu_name', '')} ({r0.get('device', '')}), Gemma-shaped model: hidden {r0.get('hidden')}, "
+             f"intermediate {r0.get('intermediate')}, {r0.get('layers')} layers, {r0.get('heads')} heads / "
+             f"{r0.get('kv_heads')} KV, head_dim {r0.get('head_dim')}, vocab {r0.get('vocab')} "
+             f"({r0.get('params_m')} M parameters); {r0.get('batch')} x {r0.get('seq')} tokens per {unit} and step, "
+             f"{r0.get('dtype')}, AdamW, {r0.get('steps')} timed steps after {r0.get('warmup')} warm-up; "
+             f"git {r0.get('git_rev', '')}.", "",
+             f"| engine | {unit}{'es' if unit == 'process' else 's'} | eager tokens/s/{unit} | "
+             f"kernelized tokens/s/{unit} | kernelized / eager | "
+             "scaling eff. eager | scaling eff. kernelized | step ms eager / kernelized | peak GB eager / kernelized |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    engines = sorted({k[0] for k in val}, key=lambda e: (e != "ddp", e))
+    for engine in engines:
+        for world in sorted({k[1] for k in val if k[0] == engine}):
+            e, k = tps((engine, world, False)), tps((engine, world, True))
+            ratio = k / e if e and k else None
+            eff = []
+            for kern in (False, True):
+                one, here = tps((engine, 1, kern)), tps((engine, world, kern))
+                eff.append(here / one if world > 1 and one and here else None)
+            step = [fnum(val[(engine, world, kern)]["step_ms_median"]) if (engine, world, kern) in val else None
+                    for kern in (False, True)]
+            peak = [fnum(val[(engine, world, kern)]["peak_mem_gb"]) if (engine, world, kern) in val else None
+                    for kern in (False, True)]
+            ratio_s = "—" if ratio is None else f"{ratio:.3f}x"
+            lines.append(f"| {engine} | {world} | {num(e, ',.0f')} | {num(k, ',.0f')} | {ratio_s} | "
+                         f"{num(eff[0], '.1%')} | {num(eff[1], '.1%')} | {num(step[0], '.1f')} / "
+                         f"{num(step[1], '.1f')} | {num(peak[0], '.2f')} / {num(peak[1], '.2f')} |")
+    return lines
+
+
 def write_readme(path: Path, section: str) -> None:
     text = path.read_text() if path.exists() else ""
     block = f"{START}\n{section}{END}"
@@ -429,13 +479,19 @@ def write_readme(path: Path, section: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("csv", nargs="+", type=Path)
+    p.add_argument("csv", nargs="*", type=Path)
+    p.add_argument("--scale", type=Path, help="print the markdown table of benchmarks/scale.py's scale.csv and exit")
     p.add_argument("--out", type=Path, help="write the full report (all shapes) here")
     p.add_argument("--write-readme", type=Path, help="replace the results section of this README")
     p.add_argument("--readme-tables", action="store_true", help="also put per-op tables (first --readme-shapes "
                    "shapes each) in the README; by default it gets the targets and the summary and links --out")
     p.add_argument("--readme-shapes", type=int, default=8, help="shapes per table in the README (default 8)")
     args = p.parse_args(argv)
+    if args.scale:
+        print("\n".join(scale_table(read_rows(args.scale))))
+        return 0
+    if not args.csv:
+        p.error("give the benchmark CSVs (or --scale scale.csv)")
     rows: list[dict[str, str]] = []
     for c in args.csv:
         rows += read_rows(c)
