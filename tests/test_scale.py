@@ -1,7 +1,7 @@
 """benchmarks/scale.py end to end on the CPU: the launcher runs every (world in 1, 2; engine in ddp, fsdp2;
 eager / kernelized) under torch.distributed.run (gloo, tiny Gemma-shaped model, fp32) and writes a complete CSV and
-plot. About 50 s on 2 idle cores (~70 s under load): process start-up (importing torch and transformers, 4 launches, 6 processes)
-dominates; eager and kernelized share each launch on the CPU."""
+plot. About 50 s on 2 idle cores (~70 s under load): process start-up (importing torch and transformers; 4
+launches, 6 processes) dominates; eager and kernelized share each launch on the CPU."""
 
 from __future__ import annotations
 
