@@ -225,6 +225,7 @@ def launch(args, world: int, engine: str, variants: list[str], preset: dict, run
     env = {**os.environ, **LAUNCH_ENV}
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run on a GPU host: torch.distributed must not pick the GPUs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).resolve()), "--worker", "--device", args.device, "--engine", engine,
            "--variants", ",".join(variants), "--config", json.dumps(preset["config"]),

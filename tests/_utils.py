@@ -30,3 +30,14 @@ def assert_2x_rule(out: torch.Tensor, ref32: torch.Tensor, torch_same_dtype: tor
     inf = torch.isinf(ref32)
     assert torch.equal(torch.isinf(out), inf) and torch.equal(out[inf].double(), ref32[inf].double()), (
         f"{name}: Inf pattern differs from the reference")
+
+
+# torch >= 2.14: ctx.set_output_grad_dtype lets an fp32 gradient reach a Function's backward uncast at a bf16/fp16
+# output. On older torch the autograd engine rounds it to the output's dtype before any backward sees it, so tests
+# that send an fp32 gradient to a 16-bit output draw it in the output's dtype there (what the kernel then receives).
+GRAD_DTYPE_KEPT = hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_dtype")
+
+
+def incoming_grad_dtype(want_fp32: bool, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a test's upstream gradient is drawn in: fp32 when asked and the engine passes it through uncast."""
+    return torch.float32 if want_fp32 and (GRAD_DTYPE_KEPT or out_dtype == torch.float32) else out_dtype

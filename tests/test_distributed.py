@@ -16,10 +16,20 @@ from conftest import ROOT
 SCRIPT = ROOT / "tests" / "distributed_train.py"
 
 
-def run_torchrun(engine: str, tmp_path) -> dict:
-    out = tmp_path / f"{engine}.json"
+def launch_env() -> dict[str, str]:
+    """torchrun's environment: NVLink multicast off (shared multi-GPU hosts); with fewer than two GPUs the two
+    processes run on the CPU (gloo) and see no GPU at all (torch.distributed would otherwise bind rank 1 to a GPU
+    that does not exist)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
+    if torch.cuda.device_count() < 2:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def run_torchrun(engine: str, tmp_path) -> dict:
+    out = tmp_path / f"{engine}.json"
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--engine", engine, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -47,8 +57,7 @@ def test_dtensor_inputs_tensor_and_sequence_parallel(tmp_path):
     rows, keep the placements and give the full-tensor gradients (weight gradient declared partial); a sharded
     hidden dim and a sharded Linear weight run the module's own math, announced with a warning."""
     out = tmp_path / "dtensor.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "dtensor_check.py"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -67,8 +76,7 @@ def test_transformers_tensor_parallel(tmp_path):
     weights, local activations) run the fused kernel; the DTensor-sharded MLP is announced as running its own math."""
     pytest.importorskip("accelerate", reason="transformers' tensor parallel loading needs accelerate")
     out = tmp_path / "tp.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "tp_check.py"), "--model-dir", str(tmp_path / "model"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

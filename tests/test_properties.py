@@ -31,7 +31,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import FLOOR, assert_2x_rule
+from _utils import FLOOR, assert_2x_rule, incoming_grad_dtype
 from conftest import DEVICES
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -223,7 +223,7 @@ def test_rms_norm_properties(fm, case):
     y_dtype = kw.get("out_dtype") or dt
     # An fp32 gradient reaches the kernel uncast only at the autograd Function's own outputs (y in x's dtype or
     # fp32); a third out_dtype is a cast after the Function, where autograd rounds the gradient to y's dtype.
-    dy_dtype = F32 if case["dy_dtype"] == "fp32" and y_dtype in (dt, F32) else y_dtype
+    dy_dtype = incoming_grad_dtype(case["dy_dtype"] == "fp32" and y_dtype in (dt, F32), y_dtype)
     y_train = rms_run_case(fm, x, w, dy_dtype=dy_dtype, **kw)
     with torch.no_grad():
         out = fm.rms_norm(x, w, **kw)
@@ -302,7 +302,7 @@ def test_geglu_swiglu_properties(fm, case):
     u = up.detach().clone().requires_grad_()
     y = _gated_call(fm, act, g, u)
     assert torch.equal(y.detach(), y_inf), "inference path differs from the training path"
-    dh = make_tensor(shape, F32 if case["dh_dtype"] == "fp32" else dt, dev, "contiguous", seed + 2)
+    dh = make_tensor(shape, incoming_grad_dtype(case["dh_dtype"] == "fp32", dt), dev, "contiguous", seed + 2)
     torch.autograd.backward(y, dh)  # an fp32 gradient at a 16-bit output: must reach the kernel uncast
 
     def grads(prec):
@@ -383,7 +383,7 @@ def test_gated_mlp_properties(fm, case):
 
     dy = None
     if case["training"]:
-        dy = make_tensor((*case["lead"], h_out), F32 if case["dy_dtype"] == "fp32" else dt, dev, "contiguous", s + 20)
+        dy = make_tensor((*case["lead"], h_out), incoming_grad_dtype(case["dy_dtype"] == "fp32", dt), dev, "contiguous", s + 20)
     y, g = run(args, dt, ours, dy)
     y64, g64 = run(args, F64, ref, None if dy is None else dy.double())
     ys, gs = run(args, dt, ref, None if dy is None else dy.to(dt))
@@ -504,7 +504,7 @@ def test_addmm_linear_properties(fm, case):
     xx, ww, bb = leaves
     y = ours(xx, ww, bb)
     assert_2x_rule(y.detach(), truth, reference(x, w, b, F32).to(dt), name="y (training)", floor=fwd_floor)
-    dy = make_tensor((*lead, n), F32 if case["dy_dtype"] == "fp32" else dt, dev, "contiguous", s + 3)
+    dy = make_tensor((*lead, n), incoming_grad_dtype(case["dy_dtype"] == "fp32", dt), dev, "contiguous", s + 3)
     torch.autograd.backward(y, dy)  # an fp32 gradient at a 16-bit output must reach the kernel uncast
 
     def torch_grads(prec, same_dtype: bool):
@@ -620,7 +620,7 @@ def test_rms_norm_layers_properties(fm, case):
     dy = None
     if case["training"]:
         y_dtype = torch.promote_types(wdt, dt) if layer == "RMSNorm" else dt
-        dy = make_tensor(shape, F32 if case["dy_dtype"] == "fp32" else y_dtype, dev, "contiguous", case["seed"] + 2)
+        dy = make_tensor(shape, incoming_grad_dtype(case["dy_dtype"] == "fp32", y_dtype), dev, "contiguous", case["seed"] + 2)
     rows = max(math.prod(shape[:-1]), 1)
 
     def floors(name, ref, dtype):
@@ -685,7 +685,7 @@ def test_geglu_mlp_layer_properties(fm, case):
     x = make_tensor((*case["lead"], case["h"]), dt, dev, "contiguous", case["seed"])
     dy = None
     if case["training"]:
-        dy = make_tensor((*case["lead"], case["h"]), F32 if case["dy_dtype"] == "fp32" else dt, dev, "contiguous",
+        dy = make_tensor((*case["lead"], case["h"]), incoming_grad_dtype(case["dy_dtype"] == "fp32", dt), dev, "contiguous",
                          case["seed"] + 1)
 
     def floors(name, ref, dtype):
@@ -728,7 +728,7 @@ def test_linear_conv1d_layer_properties(fm, case):
     x = make_tensor((*case["lead"], case["fan_in"]), dt, dev, "contiguous", case["seed"], 1.0)
     dy = None
     if case["training"]:
-        dy = make_tensor((*case["lead"], case["fan_out"]), F32 if case["dy_dtype"] == "fp32" else dt, dev,
+        dy = make_tensor((*case["lead"], case["fan_out"]), incoming_grad_dtype(case["dy_dtype"] == "fp32", dt), dev,
                          "contiguous", case["seed"] + 1)
     rows = max(math.prod(case["lead"]), 1)
 
