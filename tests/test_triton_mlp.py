@@ -25,7 +25,7 @@ ACTS = ("gelu_tanh", "gelu", "silu")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_MLP_TRITON_CONFIG")}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "tests"), **extra)
     return env
 
@@ -51,11 +51,16 @@ def _fwd_bwd(fn, x, ws, dy):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the Triton path is optional)")
-def test_kernels_in_triton_interpreter():
+@pytest.mark.parametrize("config", ["default", "whole_tile_epilogue"])
+def test_kernels_in_triton_interpreter(config):
     """fwd h, bwd dgate/dup/h of the custom ops and y, dx, dW through autograd, bf16 and fp16, every activation,
-    ragged M/N/K tiles, 3-D and strided x, retain_graph, opcheck -- in Triton's interpreter on CPU tensors."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_interpret_check.py")],
-                          env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    ragged M/N/K tiles, 3-D and strided x, retain_graph, opcheck -- in Triton's interpreter on CPU tensors.
+    The interpreter's tile config splits the epilogue in halves; the second run pins one that does not."""
+    extra, args = {}, []
+    if config == "whole_tile_epilogue":
+        extra, args = {"FUSED_MLP_TRITON_CONFIG": "32,64,32,4,1,0"}, ["--quick"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_interpret_check.py"), *args],
+                          env=_env(TRITON_INTERPRET="1", **extra), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "triton interpreter checks passed" in proc.stdout
 

@@ -101,118 +101,190 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 # Few configs: autotuning runs once per (M bucket, N, K) and its time counts. Hopper (sm_90) favours 128x128x64
-# with 8 warps; the 4-warp and 64-wide-N entries cover smaller GPUs/shapes where registers or occupancy bind.
-# Two fp32 accumulators of 128x128 take 128 registers/thread at 8 warps.
+# with 8 warps (two 128x128 fp32 accumulators: 128 registers per thread); the smaller tiles cover other GPUs and
+# small token counts. EPI_HALVES runs the epilogue on two [BM, BN/2] halves: with 64 elements per thread the
+# activation math spills otherwise (ptxas -v, sm_90, triton 3.8: 412 B fwd / 2.3 KB bwd spilled per thread for
+# tanh-GeLU at 128x128, 8 warps; none with halves). Shared memory per stage: fwd 48 KB, bwd 32 KB at 128x128x64.
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, halves: bool) -> "triton.Config":
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_HALVES": halves},
+                         num_warps=warps, num_stages=stages)
+
+
 _CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    _cfg(128, 128, 64, 8, 3, True),
+    _cfg(128, 128, 64, 8, 4, True),
+    _cfg(128, 64, 64, 8, 4, False),
+    _cfg(64, 128, 64, 4, 4, True),
 ]
 # The interpreter (CPU tests) runs one small config that leaves ragged M, N and K tiles at the test shapes.
-_INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4)]
+_INTERPRET_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2, "EPI_HALVES": True},
+                                    num_warps=4)]
 
 
 def _configs() -> list:
-    if INTERPRET:
-        return _INTERPRET_CONFIGS
-    env = os.environ.get("FUSED_MLP_TRITON_CONFIG")  # "BM,BN,BK,warps,stages": pin one config (debugging)
+    # FUSED_MLP_TRITON_CONFIG="BM,BN,BK,warps,stages,halves" pins one config (debugging, and the interpreter tests
+    # of the whole-tile epilogue).
+    env = os.environ.get("FUSED_MLP_TRITON_CONFIG")
     if env:
-        bm, bn, bk, w, s = (int(v) for v in env.split(","))
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w,
-                              num_stages=s)]
-    return _CONFIGS
+        bm, bn, bk, w, st, halves = (int(v) for v in env.split(","))
+        return [_cfg(bm, bn, bk, w, st, bool(halves))]
+    return _INTERPRET_CONFIGS if INTERPRET else _CONFIGS
+
+
+# EVEN_K: no K mask in the main loop (every model shape: H and I are multiples of 64).
+_EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 
 
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "STORE_GATE_UP", "ACT"])
+@_EVEN_K
 @triton.jit
 def _gated_dual_gemm_kernel(
     x_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr,  # x [M, K]; W_gate, W_up [N, K]; h, gate, up [M, N]
     M, N, K, M_BUCKET,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om,  # W_gate and W_up share strides; outputs contiguous
+    # Unit stride along K for x and the weights (literal 1, not an argument: vectorised loads and the cp.async
+    # pipeline depend on it); W_gate and W_up share strides; outputs contiguous.
+    stride_xm, stride_wn, stride_om,
     ACT: tl.constexpr, STORE_GATE_UP: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EPI_HALVES: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 64-bit tile origins as scalars, 32-bit offsets inside the tile (64-bit pointer tensors cost registers the
+    # two accumulators need).
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    # Row indices clamped into range for loads (masked rows/cols are never stored): keeps the K loop's loads
-    # unmasked along M/N, only K is masked (ragged last K step).
-    rm = tl.where(mask_m, offs_m, 0).to(tl.int64)
-    rn = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    mask_m = lm < M - row0
+    mask_n = ln < N - col0
+    # Rows/cols past the edge are clamped for the loads (never stored): only K is masked in the K loop.
+    rm = tl.where(mask_m, lm, 0)
+    rn = tl.where(mask_n, ln, 0)
+    x_ptrs = x_ptr + row0 * stride_xm + (rm[:, None] * stride_xm + offs_k[None, :])  # [BM, BK]
     # B tile of x @ W^T is W[n, k] read as [BK, BN]
-    wg_ptrs = wg_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
-    wu_ptrs = wu_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
+    w_offs = offs_k[:, None] + rn[None, :] * stride_wn
+    wg_ptrs = wg_ptr + col0 * stride_wn + w_offs
+    wu_ptrs = wu_ptr + col0 * stride_wn + w_offs
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k0 * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        bg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        bu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            bg = tl.load(wg_ptrs)
+            bu = tl.load(wu_ptrs)
+        else:
+            k_left = K - k0 * BLOCK_K
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            bg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            bu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if INTERP_BF16:  # the interpreter's dot multiplies bf16's uint16 storage (triton 3.8): give it fp32
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)
         acc_g = tl.dot(a, bg, acc_g)
         acc_u = tl.dot(a, bu, acc_u)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-    h = _act(acc_g, ACT) * acc_u  # fp32 on the fp32 accumulators, one rounding below
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    base = row0 * stride_om + col0
+    h_ptr += base
+    g_ptr += base
+    u_ptr += base
+    if EPI_HALVES:  # two [BM, BN/2] halves one after the other (register pressure, see the backward kernel)
+        g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_u, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        lh = tl.arange(0, BLOCK_N // 2)
+        _fwd_epilogue(g_lo, u_lo, h_ptr, g_ptr, u_ptr, lm, lh, mask_m, lh < N - col0, stride_om, ACT,
+                      STORE_GATE_UP, INTERP_BF16)
+        _fwd_epilogue(g_hi, u_hi, h_ptr + BLOCK_N // 2, g_ptr + BLOCK_N // 2, u_ptr + BLOCK_N // 2, lm, lh, mask_m,
+                      lh < N - col0 - BLOCK_N // 2, stride_om, ACT, STORE_GATE_UP, INTERP_BF16)
+    else:
+        _fwd_epilogue(acc_g, acc_u, h_ptr, g_ptr, u_ptr, lm, ln, mask_m, mask_n, stride_om, ACT, STORE_GATE_UP,
+                      INTERP_BF16)
+
+
+@triton.jit
+def _fwd_epilogue(gate, up, h_ptr, g_ptr, u_ptr, lm, ln, mask_m, mask_n, stride_om, ACT: tl.constexpr,
+                  STORE_GATE_UP: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """h = act(gate) * up from the fp32 accumulators, one rounding; gate and up rounded once when stored."""
+    out_offs = lm[:, None] * stride_om + ln[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(h_ptr + out_offs, _round(h, h_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
     if STORE_GATE_UP:
-        tl.store(g_ptr + out_offs, _round(acc_g, g_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
-        tl.store(u_ptr + out_offs, _round(acc_u, u_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+        tl.store(g_ptr + out_offs, _round(gate, g_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+        tl.store(u_ptr + out_offs, _round(up, u_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+    tl.store(h_ptr + out_offs, _round(_act(gate, ACT) * up, h_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
 
 
 # gate/up are overwritten in place: the autotuner must restore them between the configs it times.
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "ACT"], restore_value=["g_ptr", "u_ptr"])
+@_EVEN_K
 @triton.jit
 def _gated_bwd_gemm_kernel(
     dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr,  # dy [M, K]; W_down [K, N]; gate, up (in: saved; out: dgate, dup), h [M, N]
     M, N, K, M_BUCKET,
-    stride_am, stride_ak, stride_wk, stride_wn, stride_om,
+    stride_am, stride_wk, stride_om,  # unit stride along dy's K and W_down's N (literal 1); gate/up/h contiguous
     ACT: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EPI_HALVES: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    rm = tl.where(mask_m, offs_m, 0).to(tl.int64)
-    rn = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    a_ptrs = dy_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = wd_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
+    mask_m = lm < M - row0
+    mask_n = ln < N - col0
+    rm = tl.where(mask_m, lm, 0)
+    rn = tl.where(mask_n, ln, 0)
+    a_ptrs = dy_ptr + row0 * stride_am + (rm[:, None] * stride_am + offs_k[None, :])
+    b_ptrs = wd_ptr + col0 + (offs_k[:, None] * stride_wk + rn[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k0 * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if INTERP_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
+        a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
     # Epilogue: dh (fp32, acc) never reaches memory. Each tile of gate/up is read and then overwritten by this
     # program only, so the in-place update is race-free.
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    base = row0 * stride_om + col0
+    g_ptr += base
+    u_ptr += base
+    h_ptr += base
+    if EPI_HALVES:
+        # Two [BM, BN/2] halves one after the other: the activation and its slope need ~8 live fp32 values per
+        # element, so the whole tile at once spills at 64 elements per thread (ptxas, sm_90, 128x128, 8 warps).
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        lh = tl.arange(0, BLOCK_N // 2)
+        _bwd_epilogue(acc_lo, g_ptr, u_ptr, h_ptr, lm, lh, mask_m, lh < N - col0, stride_om, ACT, INTERP_BF16)
+        _bwd_epilogue(acc_hi, g_ptr + BLOCK_N // 2, u_ptr + BLOCK_N // 2, h_ptr + BLOCK_N // 2, lm, lh, mask_m,
+                      lh < N - col0 - BLOCK_N // 2, stride_om, ACT, INTERP_BF16)
+    else:
+        _bwd_epilogue(acc, g_ptr, u_ptr, h_ptr, lm, ln, mask_m, mask_n, stride_om, ACT, INTERP_BF16)
+
+
+@triton.jit
+def _bwd_epilogue(dh, g_ptr, u_ptr, h_ptr, lm, ln, mask_m, mask_n, stride_om, ACT: tl.constexpr,
+                  INTERP_BF16: tl.constexpr):
+    """dgate = dh up act'(gate) over gate, dup = dh act(gate) over up, h = act(gate) up; one rounding each."""
+    out_offs = lm[:, None] * stride_om + ln[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     gate = tl.load(g_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(u_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_slope(gate, ACT)
     dt = g_ptr.dtype.element_ty
-    tl.store(g_ptr + out_offs, _round(acc * up * da, dt, INTERP_BF16), mask=mask)
-    tl.store(u_ptr + out_offs, _round(acc * a, dt, INTERP_BF16), mask=mask)
+    tl.store(g_ptr + out_offs, _round(dh * up * da, dt, INTERP_BF16), mask=mask)
+    tl.store(u_ptr + out_offs, _round(dh * a, dt, INTERP_BF16), mask=mask)
     tl.store(h_ptr + out_offs, _round(a * up, dt, INTERP_BF16), mask=mask)
 
 
@@ -230,8 +302,10 @@ def gated_dual_gemm(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, a
     """x [M, K], w_gate/w_up [N, K] (same strides) -> h [M, N] (and gate, up [M, N] when store_gate_up)."""
     m, k = x.shape
     n = w_gate.shape[0]
-    if w_up.stride() != w_gate.stride():
-        w_up = w_up.contiguous()
+    if k > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    if w_up.stride() != w_gate.stride() or (k > 1 and w_gate.stride(1) != 1):
+        w_up = w_up.contiguous()  # copies only for unusual layouts (nn.Linear weights are contiguous)
         w_gate = w_gate.contiguous()
     h = torch.empty((m, n), device=x.device, dtype=x.dtype)
     gate = torch.empty_like(h) if store_gate_up else None
@@ -242,7 +316,7 @@ def gated_dual_gemm(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, a
         _gated_dual_gemm_kernel[lambda meta: _grid(meta, m, n)](
             x, w_gate, w_up, h, gate if store_gate_up else h, up if store_gate_up else h,
             m, n, k, _m_bucket(m),
-            x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), h.stride(0),
+            x.stride(0), w_gate.stride(0), h.stride(0),
             ACT=ACT_IDS[activation], STORE_GATE_UP=store_gate_up,
             INTERP_BF16=INTERPRET and x.dtype == torch.bfloat16,
         )
@@ -254,6 +328,12 @@ def gated_bwd_gemm_(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, 
     """dy [M, K], w_down [K, N], gate/up [M, N] contiguous: gate <- dgate, up <- dup in place; returns h [M, N]."""
     m, k = dy.shape
     n = w_down.shape[1]
+    if k > 1 and dy.stride(1) != 1:
+        dy = dy.contiguous()  # e.g. the expanded (stride-0) gradient of y.sum()
+    if n > 1 and w_down.stride(1) != 1:
+        w_down = w_down.contiguous()
+    if not (gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape == (m, n)):
+        raise ValueError("gate and up must be contiguous [T, I] tensors (they are overwritten in place)")
     h = torch.empty_like(gate)
     if m == 0 or n == 0:
         return h
@@ -261,7 +341,7 @@ def gated_bwd_gemm_(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, 
         _gated_bwd_gemm_kernel[lambda meta: _grid(meta, m, n)](
             dy, w_down, gate, up, h,
             m, n, k, _m_bucket(m),
-            dy.stride(0), dy.stride(1), w_down.stride(0), w_down.stride(1), gate.stride(0),
+            dy.stride(0), w_down.stride(0), gate.stride(0),
             ACT=ACT_IDS[activation], INTERP_BF16=INTERPRET and dy.dtype == torch.bfloat16,
         )
     return h
