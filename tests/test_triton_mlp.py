@@ -52,9 +52,10 @@ def _fwd_bwd(fn, x, ws, dy):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the Triton path is optional)")
 @pytest.mark.parametrize("config", ["default", "whole_tile_epilogue"])
-def test_kernels_in_triton_interpreter(config):
+def test_kernels_in_triton_interpreter(fm_cpu, config):
     """fwd h, bwd dgate/dup/h of the custom ops and y, dx, dW through autograd, bf16 and fp16, every activation,
-    ragged M/N/K tiles, 3-D and strided x, retain_graph, opcheck -- in Triton's interpreter on CPU tensors.
+    ragged M/N/K tiles, 3-D and strided x, retain_graph, opcheck, torch.compile(fullgraph) without recompiles --
+    in Triton's interpreter on CPU tensors (the CPU variant of this checkout's build, loaded in the subprocess).
     The interpreter's tile config splits the epilogue in halves; the second run pins one that does not."""
     extra, args = {}, []
     if config == "whole_tile_epilogue":
@@ -65,7 +66,7 @@ def test_kernels_in_triton_interpreter(config):
     assert "triton interpreter checks passed" in proc.stdout
 
 
-def test_package_imports_and_runs_without_triton():
+def test_package_imports_and_runs_without_triton(fm_cpu):
     """Importing the package never imports triton; with triton absent, backend="triton" is the cuBLAS path."""
     script = textwrap.dedent(f"""
         import sys

@@ -43,12 +43,12 @@ def _sigmoid_and_slope(z):
 def _act(x, ACT: tl.constexpr):
     if ACT == 0:
         z = (2.0 * 0.79788456080286535588) * x * tl.fma(0.044715, x * x, 1.0)
-        s, ds = _sigmoid_and_slope(z)
+        s, _ = _sigmoid_and_slope(z)
         a = x * s
     elif ACT == 1:
         a = x * tl.fma(0.5, tl.math.erf(x * 0.70710678118654752440), 0.5)
     else:
-        s, ds = _sigmoid_and_slope(x)
+        s, _ = _sigmoid_and_slope(x)
         a = x * s
     return a
 
@@ -168,7 +168,7 @@ def _gated_dual_gemm_kernel(
     wu_ptrs = wu_ptr + col0 * stride_wn + w_offs
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
             bg = tl.load(wg_ptrs)
@@ -241,7 +241,7 @@ def _gated_bwd_gemm_kernel(
     a_ptrs = dy_ptr + row0 * stride_am + (rm[:, None] * stride_am + offs_k[None, :])
     b_ptrs = wd_ptr + col0 + (offs_k[:, None] * stride_wk + rn[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
