@@ -137,7 +137,7 @@ _EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] 
 
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "STORE_GATE_UP", "ACT"])
 @_EVEN_K
-@triton.jit
+@triton.jit(do_not_specialize=["M_BUCKET"])  # the autotune key only: no compile per value
 def _gated_dual_gemm_kernel(
     x_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr,  # x [M, K]; W_gate, W_up [N, K]; h, gate, up [M, N]
     M, N, K, M_BUCKET,
@@ -219,7 +219,7 @@ def _fwd_epilogue(gate, up, h_ptr, g_ptr, u_ptr, lm, ln, mask_m, mask_n, stride_
 # gate/up are overwritten in place: the autotuner must restore them between the configs it times.
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "ACT"], restore_value=["g_ptr", "u_ptr"])
 @_EVEN_K
-@triton.jit
+@triton.jit(do_not_specialize=["M_BUCKET"])  # the autotune key only: no compile per value
 def _gated_bwd_gemm_kernel(
     dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr,  # dy [M, K]; W_down [K, N]; gate, up (in: saved; out: dgate, dup), h [M, N]
     M, N, K, M_BUCKET,
