@@ -103,8 +103,10 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 # Few configs: autotuning runs once per (M bucket, N, K) and its time counts. Hopper (sm_90) favours 128x128x64
 # with 8 warps (two 128x128 fp32 accumulators: 128 registers per thread); the smaller tiles cover other GPUs and
 # small token counts. EPI_HALVES runs the epilogue on two [BM, BN/2] halves: with 64 elements per thread the
-# activation math spills otherwise (ptxas -v, sm_90, triton 3.8: 412 B fwd / 2.3 KB bwd spilled per thread for
-# tanh-GeLU at 128x128, 8 warps; none with halves). Shared memory per stage: fwd 48 KB, bwd 32 KB at 128x128x64.
+# activation math spills otherwise (ptxas -v, sm_90, triton 3.8, tanh-GeLU at 128x128, 8 warps, per thread: whole
+# tile 412 B fwd / 2.3 KB bwd; halves 0 B bwd and inference fwd, ~230 B training fwd, which also stores gate/up;
+# `python tools/triton_epilogue_ptxas.py`). Shared memory per stage: fwd 48 KB, bwd 32 KB at 128x128x64.
+# Measured speed of these configs on a GPU: none yet.
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, halves: bool) -> "triton.Config":
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_HALVES": halves},
                          num_warps=warps, num_stages=stages)
@@ -288,6 +290,11 @@ def _bwd_epilogue(dh, g_ptr, u_ptr, h_ptr, lm, ln, mask_m, mask_n, stride_om, AC
     tl.store(h_ptr + out_offs, _round(a * up, dt, INTERP_BF16), mask=mask)
 
 
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"fused_mlp triton epilogue ops: expected {what}")
+
+
 def _m_bucket(m: int) -> int:
     """Autotune key for the token count: powers of two (a new token count does not re-tune every time)."""
     return 1 << max(m - 1, 0).bit_length()
@@ -300,6 +307,10 @@ def _grid(meta: dict, m: int, n: int) -> tuple[int]:
 def gated_dual_gemm(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str,
                     store_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K], w_gate/w_up [N, K] (same strides) -> h [M, N] (and gate, up [M, N] when store_gate_up)."""
+    _check(x.dim() == 2 and w_gate.dim() == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1],
+           "x [T, H] and w_gate, w_up [I, H]")
+    _check(x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w_gate.dtype == w_up.dtype,
+           "one dtype, float16 or bfloat16")
     m, k = x.shape
     n = w_gate.shape[0]
     if k > 1 and x.stride(1) != 1:
@@ -326,6 +337,10 @@ def gated_dual_gemm(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, a
 def gated_bwd_gemm_(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     activation: str) -> torch.Tensor:
     """dy [M, K], w_down [K, N], gate/up [M, N] contiguous: gate <- dgate, up <- dup in place; returns h [M, N]."""
+    _check(dy.dim() == 2 and w_down.dim() == 2 and w_down.shape[0] == dy.shape[1],
+           "dy [T, H_out] and w_down [H_out, I]")
+    _check(dy.dtype in (torch.float16, torch.bfloat16) and dy.dtype == w_down.dtype == gate.dtype == up.dtype,
+           "one dtype, float16 or bfloat16")
     m, k = dy.shape
     n = w_down.shape[1]
     if k > 1 and dy.stride(1) != 1:
