@@ -10,7 +10,8 @@ The MLP (``gated_mlp``) runs its three projections through cuBLAS (``F.linear``/
 and the fused activation between them. In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
 backward computes ``dh = dy @ W_down`` and then one in-place kernel that writes ``h`` into ``dh``'s buffer
 (for ``dW_down = dy^T h``), ``dgate`` into ``gate``'s and ``dup`` into ``up``'s: the largest live set in backward
-is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient.
+is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient. ``gated_mlp(..., backend="triton")`` opts into the Triton
+GEMM-epilogue path of ``_triton_mlp.py`` (activation fused into the gate/up dual GEMM, dGeGLU into ``dy @ W_down``).
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, a
         or (b_gate is not None and b_gate.requires_grad) or (b_up is not None and b_up.requires_grad)
         or (b_down is not None and b_down.requires_grad)
     )
-    if backend != "cublas" and _triton_mlp.use_triton(
+    # The default ("auto" with an empty dispatch table) costs one dict test here (decode runs this per layer).
+    if (backend == "triton" or (backend == "auto" and _triton_mlp.EPILOGUE_DISPATCH)) and _triton_mlp.use_triton(
         backend, x, w_gate, w_up, w_down, b_gate is not None or b_up is not None or b_down is not None, autocast
     ):
         return _triton_mlp.gated_mlp_triton(x, w_gate, w_up, w_down, activation, training, autocast)
