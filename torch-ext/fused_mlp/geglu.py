@@ -10,8 +10,7 @@ The MLP (``gated_mlp``) runs its three projections through cuBLAS (``F.linear``/
 and the fused activation between them. In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
 backward computes ``dh = dy @ W_down`` and then one in-place kernel that writes ``h`` into ``dh``'s buffer
 (for ``dW_down = dy^T h``), ``dgate`` into ``gate``'s and ``dup`` into ``up``'s: the largest live set in backward
-is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient. ``gated_mlp(..., backend="triton")`` opts into the Triton
-GEMM-epilogue path of ``_triton_mlp.py`` (activation fused into the gate/up dual GEMM, dGeGLU into ``dy @ W_down``).
+is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _triton_mlp
 from ._common import check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
@@ -220,7 +218,6 @@ def gated_mlp(
     b_down: torch.Tensor | None = None,
     *,
     activation: str = "gelu_tanh",
-    backend: str = "auto",
 ) -> torch.Tensor:
     """``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
 
@@ -229,18 +226,12 @@ def gated_mlp(
             One dtype (float32/float16/bfloat16) and one device; under ``torch.autocast`` all are cast to the
             autocast dtype first, as ``F.linear`` would cast them.
         activation: ``"gelu_tanh"``, ``"gelu"`` (erf) or ``"silu"``.
-        backend: ``"auto"`` (default: the cuBLAS path, except where ``_triton_mlp.EPILOGUE_DISPATCH`` records a
-            measured win of the Triton path; empty today), ``"cublas"`` (cuBLAS projections + the fused activation
-            kernel), or ``"triton"`` (opt-in: gate/up dual GEMM with the activation in its epilogue, dGeGLU in the
-            epilogue of ``dy @ W_down``; CUDA bf16/fp16 without biases, any other call takes the cuBLAS path).
     Without autograd (no_grad / inference_mode / nothing requires grad) no autograd node is built at all.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if backend not in _triton_mlp.BACKENDS:
-        raise ValueError(f"backend must be one of {_triton_mlp.BACKENDS}, got {backend!r}")
     _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, _autocast_on(x), backend)
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, _autocast_on(x))
 
 
 def _autocast_on(x: torch.Tensor) -> bool:
@@ -251,20 +242,13 @@ def _autocast_on(x: torch.Tensor) -> bool:
     return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type)
 
 
-def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, autocast: bool,
-               backend: str = "auto") -> torch.Tensor:
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, autocast: bool) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
-    training = torch.is_grad_enabled() and (
+    if torch.is_grad_enabled() and (
         x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad
         or (b_gate is not None and b_gate.requires_grad) or (b_up is not None and b_up.requires_grad)
         or (b_down is not None and b_down.requires_grad)
-    )
-    # The default ("auto" with an empty dispatch table) costs one dict test here (decode runs this per layer).
-    if (backend == "triton" or (backend == "auto" and _triton_mlp.EPILOGUE_DISPATCH)) and _triton_mlp.use_triton(
-        backend, x, w_gate, w_up, w_down, b_gate is not None or b_up is not None or b_down is not None, autocast
     ):
-        return _triton_mlp.gated_mlp_triton(x, w_gate, w_up, w_down, activation, training, autocast)
-    if training:
         if autocast:
             # Cast once, outside the autograd Function, as autocast casts each F.linear's operands; the casts
             # are differentiable (fp32 master weights get fp32 grads) and backward runs in one dtype.
