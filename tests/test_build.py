@@ -117,3 +117,53 @@ def test_incremental_rebuild_and_failed_build_leaves_previous_variant(tmp_path):
     after = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
     assert after == before
     assert [d.name for d in (root / "build").iterdir()] == [variants[0].name]
+
+
+# ---- libstdc++: the extension must use the shared one ------------------------------------------------------------
+
+_TINY = '#include <sstream>\n#include <string>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n'
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and binutils' nm")
+def test_static_libstdcxx_copy_is_detected(tmp_path):
+    """A GPU-machine toolchain (gcc 13.3) once linked libstdc++ statically into the extension, which then crashed
+    formatting a number in an error message; the build now refuses such a binary. Both link modes, for real."""
+    import build as build_tool
+
+    src = tmp_path / "t.cpp"
+    src.write_text(_TINY)
+    for static in (False, True):
+        so = tmp_path / f"t_{int(static)}.so"
+        cmd = ["g++", "-shared", "-fPIC", "-O1", str(src), "-o", str(so)] + (["-static-libstdc++"] if static else [])
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        problem = build_tool.static_libstdcxx_problem(so)
+        assert (problem is not None) == static, problem
+        if static:
+            assert "static copy of libstdc++" in problem
+    for so in sorted((ROOT / "build").glob("*/*.abi3.so")):  # whatever this checkout has built
+        assert build_tool.static_libstdcxx_problem(so) is None, so
+
+
+def _fake_cxx(tmp_path: Path, have: set[str]) -> str:
+    """A compiler stand-in answering -print-file-name=NAME: a real file for NAMEs in `have`, the bare name (what
+    g++ prints for a library it cannot find) otherwise."""
+    libdir = tmp_path / "lib"
+    libdir.mkdir(parents=True, exist_ok=True)
+    for name in have:
+        (libdir / name).write_bytes(b"")
+    exe = tmp_path / "fake-g++"
+    exe.write_text('#!/bin/sh\nname="${1#-print-file-name=}"\n'
+                   f'if [ -e "{libdir}/$name" ]; then echo "{libdir}/$name"; else echo "$name"; fi\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_shared_libstdcxx_is_named_when_the_driver_lacks_it(tmp_path):
+    import build as build_tool
+
+    assert build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "a", {"libstdc++.so", "libstdc++.a"})) == []
+    only_static_dir = _fake_cxx(tmp_path / "b", {"libstdc++.a", "libstdc++.so.6"})
+    assert build_tool.libstdcxx_link_flags(only_static_dir) == ["-l:libstdc++.so.6"]
+    with pytest.raises(build_tool.BuildError, match="only link libstdc\\+\\+ statically"):
+        build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "c", {"libstdc++.a"}))
+    assert build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "d", set())) == []  # not libstdc++ at all

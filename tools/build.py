@@ -317,7 +317,50 @@ def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: l
                  f"-ccbin={tc.cxx}"] + torch_nvcc_flags() + gencode_flags(capabilities) + cfg.cuda_flags()
                 + defs + first + sys_inc)
     return CompileFlags(cxx=cxx + defs + sys_inc + cfg.cxx_flags(), nvcc=nvcc,
-                        ldflags=["-shared", "-fopenmp"] + libs)
+                        ldflags=["-shared", "-fopenmp"] + libs + libstdcxx_link_flags(tc.cxx))
+
+
+def libstdcxx_link_flags(cxx: str) -> list[str]:
+    """Make sure the extension links the shared libstdc++ (the one torch and the interpreter use).
+
+    A toolchain whose g++ has only ``libstdc++.a`` in its own directory (the ``libstdc++.so`` symlink missing, as
+    on the GPU machine's gcc 13.3) silently links a *static* copy of libstdc++ into the extension. Two copies of
+    the iostream/locale machinery in one process then crash the first time the extension formats a number into
+    an error message (seen: a segfault in ``ostream::_M_insert<long>`` under ``TORCH_CHECK``). Name the shared
+    library explicitly when the driver would not find it by itself."""
+    def where(name: str) -> Path | None:
+        try:
+            out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        p = Path(out.stdout.strip())
+        return p if out.returncode == 0 and p.is_absolute() and p.exists() else None
+
+    if where("libstdc++.so") is not None:
+        return []  # the driver's own -lstdc++ finds the shared library
+    if where("libstdc++.so.6") is not None:
+        return ["-l:libstdc++.so.6"]
+    if where("libstdc++.a") is None:
+        return []  # not GNU libstdc++ (clang with libc++, say): nothing to force
+    raise BuildError(f"{cxx} can only link libstdc++ statically (no libstdc++.so or libstdc++.so.6 next to it); "
+                     "install the shared libstdc++ development package (e.g. libstdc++-<ver>-dev)")
+
+
+# Symbols only a static copy of libstdc++ defines inside an extension (a normal build imports them).
+_STATIC_LIBSTDCXX_MARKERS = ("std::locale::classic()", "std::ios_base::Init::Init()")
+
+
+def static_libstdcxx_problem(so: Path) -> str | None:
+    """Why `so` carries its own copy of libstdc++ (see libstdcxx_link_flags), or None. Needs binutils' nm."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return None
+    out = subprocess.run([nm, "-C", "--defined-only", str(so)], capture_output=True, text=True)
+    found = [m for m in _STATIC_LIBSTDCXX_MARKERS if m in out.stdout]
+    if not found:
+        return None
+    return (f"{so.name} defines libstdc++'s own {found[0]}: a static copy of libstdc++ was linked in, which crashes "
+            "next to torch's shared one; link the shared libstdc++ (install libstdc++-<ver>-dev)")
 
 
 def source_includes(cfg: BuildConfig, src: Path, backend: str, gen: Path) -> list[str]:
@@ -456,6 +499,9 @@ def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jo
     proc = subprocess.run(cmd)
     if proc.returncode != 0:
         raise BuildError(f"compilation of {v.name} failed (see the compiler output above)")
+    problem = static_libstdcxx_problem(so)
+    if problem is not None:
+        raise BuildError(problem)
     # Old extension modules of earlier builds of this variant are stale: keep only the current one.
     for old in work.glob("_*.abi3.so"):
         if old != so:
