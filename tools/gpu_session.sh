@@ -3,8 +3,9 @@
 #   build the CUDA variant for that machine's torch, run the whole test suite on the GPU, compute-sanitizer
 #   over the compact kernel set, then the benchmarks. Logs, CSVs and plots go under $OUT (fetched back).
 # Usage on the GPU machine (with the wheels folder carried):  bash tools/gpu_session.sh [stages...]
-# What comes back is kept to a few files (the device tool returns at most 8): $OUT/session.log (every stage's
-# output tail), $OUT/<device>/sweep.csv and e2e.csv (the benchmarks mirror their CSVs there), $OUT/junit.xml.
+# What comes back is kept to a few files (the device tool returns at most 8, the rest is dropped): $OUT/session.log
+# (every stage's output tail), tests.txt, failures.txt, sanitize.txt, $OUT/<device>/sweep.csv and e2e.csv (the
+# benchmarks mirror their CSVs there).
 # stages: build tests sanitize bench e2e multigpu (default: build tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,11 @@ for s in $stages; do
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 60 ;;
     sanitize)
       stamp sanitize
-      timeout 300 bash tools/sanitize.sh 2>&1 | tail -n 60 ;;
+      # The whole report to a file; the session log gets the per-(tool, driver) summary lines, which a plain tail
+      # of the hazard details once cut off.
+      timeout "${SANITIZE_STAGE_TIMEOUT:-300}" bash tools/sanitize.sh > "$OUT/sanitize.txt" 2>&1
+      echo "sanitize exit $?"
+      grep -E "^(memcheck|racecheck|initcheck|synccheck) |last case started" "$OUT/sanitize.txt" ;;
     bench)
       stamp bench
       timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/sweep.py ${BENCH_ARGS:-} 2>&1 | tail -n 80 ;;
