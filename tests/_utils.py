@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Absolute floor per dtype for the 2x rule: covers outputs whose exact value sits on a rounding boundary.
@@ -41,3 +43,26 @@ GRAD_DTYPE_KEPT = hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_
 def incoming_grad_dtype(want_fp32: bool, out_dtype: torch.dtype) -> torch.dtype:
     """The dtype a test's upstream gradient is drawn in: fp32 when asked and the engine passes it through uncast."""
     return torch.float32 if want_fp32 and (GRAD_DTYPE_KEPT or out_dtype == torch.float32) else out_dtype
+
+
+@contextlib.contextmanager
+def opted_in(pairs):
+    """``kernels.replace_kernel_forward_from_hub(cls, name)`` for each pair, for the duration of the block: the
+    classes (transformers' own: Conv1D, the MLPs, the Gemma norms) get their previous tag attributes back afterwards,
+    so no other test sees them tagged. (Forwards already swapped on instances stay swapped: kernelize sets them per
+    module.)"""
+    import kernels
+
+    attrs = ("kernel_layer_name", "kernel_condition")
+    saved = [(cls, {a: cls.__dict__[a] for a in attrs if a in cls.__dict__}) for cls, _ in pairs]
+    try:
+        for cls, name in pairs:
+            kernels.replace_kernel_forward_from_hub(cls, name)
+        yield
+    finally:
+        for cls, old in reversed(saved):
+            for a in attrs:
+                if a in old:
+                    setattr(cls, a, old[a])
+                elif a in cls.__dict__:
+                    delattr(cls, a)

@@ -117,12 +117,20 @@ def main() -> int:
     base = make_model(device)
     eager_losses, eager_state = train(copy.deepcopy(base), args.engine, device, args.steps)
     fused_losses, fused_state = train(kernelize_model(copy.deepcopy(base), device), args.engine, device, args.steps)
+    result = None
     if rank == 0:
         max_w = max((eager_state[n] - fused_state[n]).abs().max().item() for n in eager_state)
         result = {"engine": args.engine, "device": device.type, "world": dist.get_world_size(),
                   "eager_losses": eager_losses, "fused_losses": fused_losses, "max_weight_diff": max_w,
                   "max_weight": max(v.abs().max().item() for v in eager_state.values())}
-        args.out.write_text(json.dumps(result, indent=1))
+    return finish(result, args.out)
+
+
+def finish(result: dict | None, out: Path) -> int:
+    """The end of every torchrun check script here: rank 0 (the one passing a result) writes it to `out` as JSON
+    and prints it; every rank leaves the process group."""
+    if result is not None:
+        out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
     dist.destroy_process_group()
     return 0

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule
+from _utils import assert_2x_rule, opted_in
 from conftest import CUDA, ROOT
 from torch import nn
 
@@ -24,9 +24,14 @@ from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP  # no
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3MLP  # noqa: E402
 
 H, I = 64, 160  # noqa: E741 (hidden, intermediate: the papers' names)
-# transformers does not decorate its MLPs: opt them in (this only tags the classes for kernelize).
-for _cls in (GemmaMLP, Gemma2MLP, Gemma3MLP, LlamaMLP, Qwen3MLP):
-    kernels.replace_kernel_forward_from_hub(_cls, "GeGLUMLP")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mlps_opted_in():
+    """transformers does not decorate its MLPs: opt them in for this module's tests (this only tags the classes for
+    kernelize), and untag them afterwards so other test modules see transformers' classes as shipped."""
+    with opted_in([(cls, "GeGLUMLP") for cls in (GemmaMLP, Gemma2MLP, Gemma3MLP, LlamaMLP, Qwen3MLP)]):
+        yield
 
 MODELS = {
     "gemma": lambda: GemmaMLP(GemmaConfig(hidden_size=H, intermediate_size=I, hidden_act="gelu_pytorch_tanh")),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _utils import FLOOR, assert_2x_rule
+from _utils import FLOOR, assert_2x_rule, opted_in
 from conftest import ROOT
 
 transformers = pytest.importorskip("transformers")
@@ -82,10 +82,8 @@ def test_kernelize_swaps_every_module(fm, device, tmp_path):
     """kernelize with LocalLayerRepository mappings replaces the decorated Llama/Qwen3 norms ("RMSNorm") and the
     undecorated Gemma ones once opted in with replace_kernel_forward_from_hub ("GemmaRMSNorm"); the swapped
     modules compute exactly what the layers compute, forward and backward."""
-    from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
-    for cls in GEMMA_STYLE:
-        replace_kernel_forward_from_hub(cls, "GemmaRMSNorm")
     n = 256
     modules = [build(cls, n, torch.bfloat16, device, seed=i) for i, cls in enumerate(LLAMA_STYLE + GEMMA_STYLE)]
     model = torch.nn.Sequential(*modules)
@@ -93,7 +91,7 @@ def test_kernelize_swaps_every_module(fm, device, tmp_path):
     mapping = {
         name: {device: LocalLayerRepository(repo_path=ROOT, layer_name=name)} for name in ("RMSNorm", "GemmaRMSNorm")
     }
-    with use_kernel_mapping(mapping):
+    with opted_in([(cls, "GemmaRMSNorm") for cls in GEMMA_STYLE]), use_kernel_mapping(mapping):
         kernelize(model, mode=Mode.TRAINING, device=device, use_fallback=False)
 
     g = torch.Generator().manual_seed(3)

@@ -26,7 +26,6 @@ silent "transformers does not accept this kernels version" situation.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -39,7 +38,7 @@ from typing import Callable
 
 import pytest
 import torch
-from _utils import assert_2x_rule
+from _utils import assert_2x_rule, opted_in
 from conftest import DEVICES, ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -149,26 +148,6 @@ def build(family: str, device: str, dtype: torch.dtype = torch.float32, seed: in
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p), alpha=0.1)
     return model.to(device=device, dtype=dtype)
-
-
-@contextlib.contextmanager
-def opted_in(pairs):
-    """``replace_kernel_forward_from_hub`` for the duration of the block: transformers' classes (Conv1D, the
-    MLPs, the Gemma norms) get their previous class attributes back afterwards, so other tests see them as
-    before. (Forwards already swapped on instances stay swapped: kernelize sets them per module.)"""
-    attrs = ("kernel_layer_name", "kernel_condition")
-    saved = [(cls, {a: cls.__dict__[a] for a in attrs if a in cls.__dict__}) for cls, _ in pairs]
-    try:
-        for cls, name in pairs:
-            kernels.replace_kernel_forward_from_hub(cls, name)
-        yield
-    finally:
-        for cls, old in reversed(saved):
-            for a in attrs:
-                if a in old:
-                    setattr(cls, a, old[a])
-                elif a in cls.__dict__:
-                    delattr(cls, a)
 
 
 def local_mapping(names, device: str) -> dict:
@@ -410,13 +389,9 @@ def test_torch_compile_fullgraph_training(fm, device, family, backend):
     assert_fp32_close(got2[0], want2[0], "second-call loss")
 
 
-def test_checks_catch_silent_non_kernelization(fm, device, monkeypatch):
+def test_checks_catch_silent_non_kernelization(fm, device):
     """The harness itself: a model kernelized without its opt-ins (nothing replaced), or whose MLP falls back to the
     module's own math (an activation the kernel does not have), fails the checks above."""
-    for cls in (GemmaRMSNorm, GemmaMLP):  # untagged here, whatever an earlier test in this process opted in
-        for attr in ("kernel_layer_name", "kernel_condition"):
-            if attr in cls.__dict__:
-                monkeypatch.delattr(cls, attr)
     model = build("gemma", device)
     with kernels.use_kernel_mapping(local_mapping(["GemmaRMSNorm", "GeGLUMLP"], device), inherit_mapping=False):
         kernels.kernelize(model, mode=Mode.INFERENCE, device=device, use_fallback=True)  # no opt_in: no tags

@@ -73,11 +73,9 @@ def main() -> int:
         "mlp_weight_type": type(model.model.layers[0].mlp.gate_proj.weight).__name__,
         "warnings": sorted({str(w.message) for w in caught if "fused_mlp" in str(w.message)}),
     }
-    if rank == 0:
-        args.out.write_text(json.dumps(result, indent=1))
-        print(json.dumps(result))
-    dist.destroy_process_group()
-    return 0
+    from distributed_train import finish  # this script's folder is first on sys.path
+
+    return finish(result if rank == 0 else None, args.out)
 
 
 if __name__ == "__main__":
