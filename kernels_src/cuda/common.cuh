@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fused_mlp::cuda {
 
@@ -30,6 +31,34 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Element j of a run of packed 16-byte units, as fp32, read from its 32-bit word: one instruction per element
+// for bf16 (a shift or a mask: bf16 is the top half of an fp32) and fp16 (one cvt), where element-wise access
+// to a T[] view made nvcc extract 16-bit halves with 64-bit funnel shifts (two instructions per element, in
+// the SASS of the rms_norm kernels). j must be a compile-time constant after unrolling.
+__device__ __forceinline__ uint32_t unit_word(const uint4* u, int k) {
+  const uint4& q = u[k >> 2];
+  switch (k & 3) {
+    case 0: return q.x;
+    case 1: return q.y;
+    case 2: return q.z;
+    default: return q.w;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float unit_elem(const uint4* u, int j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(unit_word(u, j));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = unit_word(u, j >> 1);
+    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    const uint32_t w = unit_word(u, j >> 1);
+    const __half h = __ushort_as_half(static_cast<unsigned short>((j & 1) ? (w >> 16) : (w & 0xffffu)));
+    return __half2float(h);
+  }
+}
 
 __device__ __forceinline__ float warp_reduce_sum(float v) {
 #pragma unroll

@@ -6,9 +6,15 @@
 // "packs" of N elements. N = 16 bytes / sizeof(T) (8 for bf16/fp16, 4 for fp32) when every pointer is 16-byte
 // aligned and every row stride and I are multiples of N (the pack never straddles a row); otherwise N = 1 (the
 // scalar path: odd I, unaligned views). Each thread keeps U packs of every input in flight per iteration
-// (bf16 fwd: 2 x (16 + 16) B = 64 B; bwd with an fp32 dh: 2 x (32 + 16 + 16) B = 128 B). The grid is sized
-// to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no tail wave.
-// Numerics (the CPU file's formulas, with CUDA's accurate expf/erff):
+// (fwd U = 2, bf16: 2 x (16 + 16) B = 64 B; vector bwd U = 1: 16 + 16 + 16 B, 32 + 16 + 16 with an fp32 dh).
+// The grid is sized to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no
+// tail wave.
+// Issue rate, not bandwidth, limited the first version: ncu on the H200 (bf16, T=4096, I=16384) read 70%
+// issue-active at 73% of copy bandwidth in the forward, the SASS had 16 subroutine CALLs per 16 elements (the
+// IEEE reciprocal's slow path) and two funnel shifts per bf16 -> fp32 conversion. Now 16-bit outputs take
+// MUFU exp / reciprocal (sigmoid_and_slope) and word-wise conversions (unit_elem): measured 94-99% of copy
+// bandwidth in the forward at T*I >= 32M (was 69-77%).
+// Numerics (the CPU file's formulas; fp32 outputs with CUDA's accurate expf/erff):
 //   sigmoid(z): e = expf(-|z|) (never overflows), r = 1/(1+e), sigmoid = z >= 0 ? r : e*r,
 //               sigmoid'(z) = e*r*r (no cancellation on either side).
 //   tanh-GeLU:  x * sigmoid(2u), u = sqrt(2/pi)(x + 0.044715x^3); derivative sigmoid(2u) + x sigmoid'(2u) 2u'.
@@ -22,7 +28,9 @@
 #include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <map>
+#include <type_traits>
 #include <mutex>
 #include <string_view>
 #include <utility>
@@ -46,11 +54,17 @@ Act parse_activation(c10::string_view s) {
 // ---- tuning table (H200, sm_90). Confirm with benchmarks/ (activation kernel GB/s vs copy bandwidth). ------
 // kThreads = 256: 8 warps per block; the grid is capped at the resident block count, so the block size only sets
 //   the granularity of the grid-stride loop.
-// kUnroll = 2: packs per thread per iteration. Little's law on the H200: 4.8 TB/s x ~0.8 us ~= 3.8 MB in flight
-//   ~= 29 KB per SM; 64-128 B per thread needs >= 512 resident threads per SM, far below what these kernels
-//   (<= 64 registers per thread) get.
+// kUnroll = 2: packs per thread per iteration (forward, and the scalar backward). Little's law on the H200:
+//   4.8 TB/s x ~0.8 us ~= 3.8 MB in flight ~= 29 KB per SM; 64-128 B per thread needs >= 512 resident threads
+//   per SM. The vector backward takes 1 (kBwdUnrollDefault): with 2 it held 86 registers per thread (2 blocks of
+//   256 per SM, ncu: 24% warps active); measured on the H200, 1 is as fast at I = 16384/24576/14336 and 27%
+//   faster at I = 9216.
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
+
+// 16-bit outputs take the MUFU forms of exp and 1/x (see sigmoid_and_slope); fp32 outputs the accurate ones.
+template <typename T>
+constexpr bool kFast = !std::is_same_v<T, float>;
 
 // ---- activation math --------------------------------------------------------------------------------------
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
@@ -58,48 +72,69 @@ constexpr float kGeluTanhCubic = 0.044715f;
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
+// FAST (16-bit outputs): ex2.approx and rcp.approx (MUFU, ~2 ulp of fp32) instead of the IEEE-accurate expf and
+// reciprocal, whose range reduction and slow-path subroutine calls made the bf16 kernels issue-bound (ncu on the
+// H200: 70% issue-active at 73% of copy bandwidth; 16 CALLs per 16 elements in the SASS). 2 ulp of fp32 is
+// 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp, so the rounded result is the correctly rounded one except in
+// rare ties; fp32 outputs keep the accurate functions.
+template <bool FAST>
 __device__ __forceinline__ void sigmoid_and_slope(float z, float& s, float& ds) {
-  const float e = expf(-fabsf(z));
-  const float r = __frcp_rn(1.0f + e);
+  float e, r;
+  if constexpr (FAST) {
+    e = __expf(-fabsf(z));
+    r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: no range issues
+  } else {
+    e = expf(-fabsf(z));
+    r = __frcp_rn(1.0f + e);
+  }
   const float er = e * r;
   s = z >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
   ds = er * r;
 }
 
-template <Act A>
+template <bool FAST>
+__device__ __forceinline__ float exp_of(float x) {
+  if constexpr (FAST) {
+    return __expf(x);
+  } else {
+    return expf(x);
+  }
+}
+
+template <Act A, bool FAST>
 __device__ __forceinline__ float act_fwd(float x) {
   if constexpr (A == Act::kGeluTanh) {
     const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x * x, 1.0f);
     float s, ds;
-    sigmoid_and_slope(z, s, ds);
+    sigmoid_and_slope<FAST>(z, s, ds);
     return x * s;
   } else if constexpr (A == Act::kGeluErf) {
     return x * fmaf(0.5f, erff(x * kInvSqrt2), 0.5f);
   } else {
     float s, ds;
-    sigmoid_and_slope(x, s, ds);
+    sigmoid_and_slope<FAST>(x, s, ds);
     return x * s;
   }
 }
 
-template <Act A>
+template <Act A, bool FAST>
 __device__ __forceinline__ void act_fwd_bwd(float x, float& a, float& da) {
   if constexpr (A == Act::kGeluTanh) {
     const float x2 = x * x;
     const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x2, 1.0f);
     const float dz = 2.0f * kSqrt2OverPi * fmaf(3.0f * kGeluTanhCubic, x2, 1.0f);
     float s, ds;
-    sigmoid_and_slope(z, s, ds);
+    sigmoid_and_slope<FAST>(z, s, ds);
     a = x * s;
     da = fmaf(x * ds, dz, s);
   } else if constexpr (A == Act::kGeluErf) {
     const float cdf = fmaf(0.5f, erff(x * kInvSqrt2), 0.5f);
-    const float pdf = expf(-0.5f * x * x) * kInvSqrt2Pi;
+    const float pdf = exp_of<FAST>(-0.5f * x * x) * kInvSqrt2Pi;
     a = x * cdf;
     da = fmaf(x, pdf, cdf);
   } else {
     float s, ds;
-    sigmoid_and_slope(x, s, ds);
+    sigmoid_and_slope<FAST>(x, s, ds);
     a = x * s;
     da = fmaf(x, ds, s);
   }
@@ -116,11 +151,20 @@ struct alignas(sizeof(T) * N) Pack {
 template <int N, typename D>
 __device__ __forceinline__ void load_pack(const D* p, float (&f)[N]) {
   constexpr int kChunk = (N * sizeof(D) >= 16) ? static_cast<int>(16 / sizeof(D)) : N;
+  if constexpr (N * sizeof(D) >= 16) {  // whole 16-byte units, converted word by word (unit_elem)
 #pragma unroll
-  for (int c = 0; c < N; c += kChunk) {
-    const Pack<D, kChunk> v = *reinterpret_cast<const Pack<D, kChunk>*>(p + c);
+    for (int c = 0; c < N; c += kChunk) {
+      const uint4 q = *reinterpret_cast<const uint4*>(p + c);
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) f[c + j] = to_float(v.v[j]);
+      for (int j = 0; j < kChunk; ++j) f[c + j] = unit_elem<D>(&q, j);
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < N; c += kChunk) {
+      const Pack<D, kChunk> v = *reinterpret_cast<const Pack<D, kChunk>*>(p + c);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) f[c + j] = to_float(v.v[j]);
+    }
   }
 }
 
@@ -175,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) geglu_fwd_kernel(
       if (p < n_packs) {
         float h[N];
 #pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = act_fwd<A>(g[k][j]) * u[k][j];
+        for (int j = 0; j < N; ++j) h[j] = act_fwd<A, kFast<T>>(g[k][j]) * u[k][j];
         store_pack<N>(out + static_cast<int64_t>(p) * N, h);
       }
     }
@@ -186,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) geglu_fwd_kernel(
 // In place the outputs alias the inputs element for element (h_out == dh, dgate == gate, dup == up): a thread
 // loads all of its elements before it stores any of them, and no other thread touches them; hence no
 // __restrict__ here.
-template <Act A, typename T, typename TD, int N, bool kWriteH>
+template <Act A, typename T, typename TD, int N, bool kWriteH, int U>
 __global__ void __launch_bounds__(kThreads) geglu_bwd_kernel(
     const TD* dh, int64_t dh_stride,        // [rows, cols] fp32 or T
     const T* gate, int64_t gate_stride,     // [rows, cols]
@@ -196,12 +240,12 @@ __global__ void __launch_bounds__(kThreads) geglu_bwd_kernel(
     T* dup, int64_t dup_stride,             // [rows, cols]
     uint32_t n_packs, FastDiv packs_per_row) {
   const uint32_t stride = gridDim.x * blockDim.x;
-  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < n_packs; base += kUnroll * stride) {
-    float d[kUnroll][N], g[kUnroll][N], u[kUnroll][N];
-    uint32_t rows[kUnroll];
-    int64_t cols[kUnroll];
+  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < n_packs; base += U * stride) {
+    float d[U][N], g[U][N], u[U][N];
+    uint32_t rows[U];
+    int64_t cols[U];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < U; ++k) {
       const uint32_t p = base + k * stride;
       if (p < n_packs) {
         rows[k] = packs_per_row.div(p);
@@ -212,14 +256,14 @@ __global__ void __launch_bounds__(kThreads) geglu_bwd_kernel(
       }
     }
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < U; ++k) {
       const uint32_t p = base + k * stride;
       if (p < n_packs) {
         float hv[N], dg[N], du[N];
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           float a, da;
-          act_fwd_bwd<A>(g[k][j], a, da);
+          act_fwd_bwd<A, kFast<T>>(g[k][j], a, da);
           hv[j] = a * u[k][j];
           dg[j] = d[k][j] * u[k][j] * da;
           du[j] = d[k][j] * a;
@@ -259,8 +303,8 @@ int resident_blocks(const void* kernel, int device) {
   return blocks;
 }
 
-int grid_for(const void* kernel, int device, uint32_t n_packs) {
-  const int64_t wanted = (static_cast<int64_t>(n_packs) + int64_t{kThreads} * kUnroll - 1) / (int64_t{kThreads} * kUnroll);
+int grid_for(const void* kernel, int device, uint32_t n_packs, int unroll = kUnroll) {
+  const int64_t wanted = (static_cast<int64_t>(n_packs) + int64_t{kThreads} * unroll - 1) / (int64_t{kThreads} * unroll);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, device))));
 }
 
@@ -349,6 +393,22 @@ void launch_fwd(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& 
   });
 }
 
+// Packs per thread per iteration of the vector bwd kernel: kBwdUnrollDefault, or FUSED_MLP_GEGLU_TUNE="bwd_unroll=1|2"
+// (read once per process) for the tuning sweep.
+constexpr int kBwdUnrollDefault = 1;
+int bwd_unroll() {
+  static const int u = [] {
+    const char* e = std::getenv("FUSED_MLP_GEGLU_TUNE");
+    if (e != nullptr) {
+      const std::string_view v(e);
+      if (v.find("bwd_unroll=1") != std::string_view::npos) return 1;
+      if (v.find("bwd_unroll=2") != std::string_view::npos) return 2;
+    }
+    return kBwdUnrollDefault;
+  }();
+  return u;
+}
+
 template <bool kWriteH>
 void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& h_out,
              const at::Tensor& dgate, const at::Tensor& dup) {
@@ -366,13 +426,14 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
         constexpr int kVec = static_cast<int>(16 / sizeof(T));
         const bool vec = cols % kVec == 0 && aligned16(dh) && aligned16(gate) && aligned16(up) &&
                          aligned16(dgate) && aligned16(dup) && (!kWriteH || aligned16(h_out));
-        auto launch = [&](auto n_tag) {
+        auto launch = [&](auto n_tag, auto u_tag) {
           constexpr int N = decltype(n_tag)::value;
+          constexpr int U = decltype(u_tag)::value;
           const int64_t packs_per_row = cols / N;
-          auto kernel = geglu_bwd_kernel<A, T, TD, N, kWriteH>;
+          auto kernel = geglu_bwd_kernel<A, T, TD, N, kWriteH, U>;
           for_row_chunks(rows, packs_per_row, [&](int64_t r0, int64_t nr) {
             const auto n_packs = static_cast<uint32_t>(nr * packs_per_row);
-            const int grid = grid_for(reinterpret_cast<const void*>(kernel), device, n_packs);
+            const int grid = grid_for(reinterpret_cast<const void*>(kernel), device, n_packs, U);
             kernel<<<grid, kThreads, 0, stream>>>(
                 cptr<TD>(dh, r0), row_stride(dh), cptr<T>(gate, r0), row_stride(gate), cptr<T>(up, r0),
                 row_stride(up), kWriteH ? mptr<TD>(h_out, r0) : nullptr, kWriteH ? row_stride(h_out) : 0,
@@ -381,8 +442,10 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
         };
-        if (vec) launch(std::integral_constant<int, kVec>{});
-        else launch(std::integral_constant<int, 1>{});
+        // Vector path: packs per thread per iteration from the tuning table (bwd_unroll); scalar path: 2.
+        if (vec && bwd_unroll() == 1) launch(std::integral_constant<int, kVec>{}, std::integral_constant<int, 1>{});
+        else if (vec) launch(std::integral_constant<int, kVec>{}, std::integral_constant<int, 2>{});
+        else launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{});
       });
     });
   });

@@ -44,7 +44,11 @@
 //   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
-// These thresholds come from the budget arithmetic above, not yet from an H200 sweep; the benchmark decides.
+// These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below (bf16, M >= 4096,
+// N in 2048..65536: forcing 8 or 16 packs per thread, or switching prefetch off, was never faster by more than
+// noise and up to 40% slower). Limit today: instruction issue, not DRAM (ncu, fwd N = 4096: 80% issue-active,
+// ~26 instructions per element; bwd: 65% issue-active with 25% warps active at 102 registers per thread).
+// Conversions read 32-bit words (Pack::f, one instruction per bf16 element instead of two).
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <ATen/ops/empty.h>
@@ -77,6 +81,7 @@ struct Pack {
     uint4 u[kUnits];
     T v[VEC];
   };
+  __device__ __forceinline__ float f(int j) const { return unit_elem<T>(u, j); }  // element j as fp32
 };
 
 enum class Ld { Stream, Keep, ReadOnly };  // evict-first (read once) / default / read-only cache (weights)
@@ -156,7 +161,7 @@ __device__ __forceinline__ void load_floats_rt(float (&f)[VEC], const void* row,
     Pack<TB, VEC> p;
     load_pack<P>(p, static_cast<const TB*>(row), col, n, vec_ok);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
+    for (int j = 0; j < VEC; ++j) f[j] = p.f(j);
   }
 }
 
@@ -341,7 +346,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_rows_kernel(const FwdArgs
               load_pack<Ld::Stream>(rp, rr, v * VEC, N, a.vec_ok);
             }
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) hv[i].v[j] = from_float<TH>(to_float(xp.v[j]) + to_float(rp.v[j]));
+            for (int j = 0; j < VEC; ++j) hv[i].v[j] = from_float<TH>(xp.f(j) + rp.f(j));
             // The residual stream carries h rounded to its dtype; exactly that value is normalised below.
             store_pack(hr, v * VEC, N, a.vec_ok, hv[i]);
           } else {
@@ -353,7 +358,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_rows_kernel(const FwdArgs
         }
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float f = to_float(hv[i].v[j]);
+          const float f = hv[i].f(j);
           ssv[j] += f * f;
         }
       }
@@ -373,7 +378,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_rows_kernel(const FwdArgs
           float s[VEC], o[VEC];
           load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] = to_float(hv[i].v[j]) * rs * s[j];
+          for (int j = 0; j < VEC; ++j) o[j] = hv[i].f(j) * rs * s[j];
           store_floats_rt<TX, VEC>(yr, a.y_f32, v * VEC, N, a.vec_ok, o);
         }
       }
@@ -427,7 +432,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs
           HPack hp;
           if constexpr (RES) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) hp.v[j] = from_float<TH>(to_float(xp[u].v[j]) + to_float(rp[u].v[j]));
+            for (int j = 0; j < VEC; ++j) hp.v[j] = from_float<TH>(xp[u].f(j) + rp[u].f(j));
             store_pack(hr, v * VEC, N, a.vec_ok, hp);
           } else {
             hp = xp[u];
@@ -435,7 +440,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs
           if (a.cache) cache[v] = hp;  // own slots only
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const float f = to_float(hp.v[j]);
+            const float f = hp.f(j);
             ssv[j] += f * f;
           }
         }
@@ -467,7 +472,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs
           float s[VEC], o[VEC];
           load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] = to_float(hp[u].v[j]) * rs * s[j];
+          for (int j = 0; j < VEC; ++j) o[j] = hp[u].f(j) * rs * s[j];
           store_floats_rt<TX, VEC>(yr, a.y_f32, v * VEC, N, a.vec_ok, o);
         }
       }
@@ -649,8 +654,8 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs
         load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, v * VEC, N, a.vec_ok);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float xhat = to_float(hv[i].v[j]) * rs;
-          const float d = to_float(dv[i].v[j]);
+          const float xhat = hv[i].f(j) * rs;
+          const float d = dv[i].f(j);
           dotv[j] += d * s[j] * xhat;
           if (want_dw) my_dw[j * NV + v] += d * xhat;
         }
@@ -677,7 +682,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs
               } else {
                 const EPackB p = eb_slot[v];
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) e[j] = to_float(p.v[j]);
+                for (int j = 0; j < VEC; ++j) e[j] = p.f(j);
               }
             } else {
               load_floats_rt<Ld::Stream, TX, VEC>(e, er, a.extra_f32, v * VEC, N, a.vec_ok);
@@ -688,8 +693,8 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_rows_kernel(const BwdArgs
           }
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const float xhat = to_float(hv[i].v[j]) * rs;
-            o[j] = rs * (to_float(dv[i].v[j]) * s[j] - xhat * c) + e[j];
+            const float xhat = hv[i].f(j) * rs;
+            o[j] = rs * (dv[i].f(j) * s[j] - xhat * c) + e[j];
           }
           store_floats_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, N, a.vec_ok, o);
         }
@@ -780,8 +785,8 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_wide_kernel(const BwdArgs
           }
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const float xhat = to_float(hp[u].v[j]) * rs;
-            const float d = to_float(dp[u].v[j]);
+            const float xhat = hp[u].f(j) * rs;
+            const float d = dp[u].f(j);
             dotv[j] += d * s[j] * xhat;
             accp.v[j] += d * xhat;
           }
@@ -817,8 +822,8 @@ __global__ void __launch_bounds__(512, 1) rms_norm_bwd_wide_kernel(const BwdArgs
           }
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const float xhat = to_float(hp[u].v[j]) * rs;
-            o[j] = rs * (to_float(dp[u].v[j]) * s[j] - xhat * c) + e[j];
+            const float xhat = hp[u].f(j) * rs;
+            o[j] = rs * (dp[u].f(j) * s[j] - xhat * c) + e[j];
           }
           store_floats_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, N, a.vec_ok, o);
         }
@@ -987,8 +992,8 @@ const Tuning& tuning() {
         else if (k == "bwd_prefetch") r.bwd_prefetch = v != 0;
         else if (k == "bwd_dw_smem") r.bwd_dw_smem = v != 0;
         else if (k == "wide_threads" && (v == 128 || v == 256 || v == 512)) r.wide_threads = v;
-        else if (k == "fwd_iters" && (v == 1 || v == 2 || v == 4 || v == 8)) r.fwd_iters = v;
-        else if (k == "bwd_iters" && (v == 1 || v == 2 || v == 4)) r.bwd_iters = v;
+        else if (k == "fwd_iters" && (v == 1 || v == 2 || v == 4 || v == 8 || v == 16)) r.fwd_iters = v;
+        else if (k == "bwd_iters" && (v == 1 || v == 2 || v == 4 || v == 8)) r.bwd_iters = v;
       }
       pos = end + 1;
     }
