@@ -48,7 +48,9 @@
 // N in 2048..65536: forcing 8 or 16 packs per thread, or switching prefetch off, was never faster by more than
 // noise and up to 40% slower). Limit today: instruction issue, not DRAM (ncu, fwd N = 4096: 80% issue-active,
 // ~26 instructions per element; bwd: 65% issue-active with 25% warps active at 102 registers per thread).
-// Conversions read 32-bit words (Pack::f, one instruction per bf16 element instead of two).
+// Conversions read 32-bit words (Pack::f, one instruction per bf16 element instead of two). Also tried on the
+// H200 (bf16, same shapes): no prefetch with one block per row group (no persistent loop, Liger's shape) was
+// 15-25% slower in the forward and the fused add; the persistent prefetching grid stays.
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <ATen/ops/empty.h>
