@@ -24,6 +24,21 @@ per_run="${SANITIZE_TIMEOUT:-240}"
 # cuBLAS/cuBLASLt's included (slow; memcheck on tools/sanitize_cases.py:addmm is the useful one).
 filter="${SANITIZE_KERNEL_FILTER-kns=fused_mlp}"
 status=0
+# racecheck cannot run cuBLAS/cuBLASLt's GEMMs on the H200 machine at all (plain PyTorch F.linear, no fused-mlp code,
+# ends in the same "Internal Sanitizer Error": tools/racecheck_torch_repro.py). Probe that once; an addmm section
+# that then fails with exactly that error is reported as the tool's limitation, not counted as a failure.
+torch_rc_broken=0
+case " $tools " in *" racecheck "*)
+  timeout "$per_run" "$CS" --tool racecheck ${filter:+--kernel-name "$filter"} --error-exitcode 97 \
+    python3 tools/racecheck_torch_repro.py > /tmp/sanitize-racecheck-torch-repro.log 2>&1
+  if grep -q "Internal Sanitizer Error" /tmp/sanitize-racecheck-torch-repro.log; then
+    torch_rc_broken=1
+    echo "racecheck torch_repro (plain PyTorch F.linear, no fused-mlp code): Internal Sanitizer Error at" \
+      "$(grep -E '^case: ' /tmp/sanitize-racecheck-torch-repro.log | tail -n 1)"
+  else
+    echo "racecheck torch_repro (plain PyTorch F.linear): $(grep -E 'ERROR SUMMARY|done' /tmp/sanitize-racecheck-torch-repro.log | tail -n 2 | tr '\n' ' ')"
+  fi ;;
+esac
 for tool in $tools; do
   list=$drivers
   [ "$tool" = racecheck ] && [ -z "${SANITIZE_DRIVERS:-}" ] && list=$racecheck_drivers
@@ -38,6 +53,13 @@ for tool in $tools; do
     rc=$?
     summary=$(grep -E "ERROR SUMMARY|done|mismatch" "$log" | tail -n 2 | tr '\n' ' ')
     [ $rc -eq 124 ] && summary="TIMED OUT after ${per_run}s; $summary"
+    if [ $rc -ne 0 ] && [ "$tool" = racecheck ] && [ $torch_rc_broken = 1 ] && [[ "$sections" == addmm* ]] && \
+       grep -q "Internal Sanitizer Error" "$log"; then
+      done_cases=$(grep -c -E '^case: ' "$log")
+      echo "$tool $name: tool limitation (the torch-only repro fails the same way): stopped in case $done_cases," \
+        "$(grep -E '^case: ' "$log" | tail -n 1)"
+      continue
+    fi
     echo "$tool $name: exit $rc; $summary"
     if [ $rc -ne 0 ]; then
       status=1
