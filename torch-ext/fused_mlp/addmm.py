@@ -122,10 +122,18 @@ def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w.contiguous(), False
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype for x's device, or None. Eagerly, the any-device flag answers the common "no" without
+    building a device object (decode calls this once per Linear per token)."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None
+    device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
 def _addmm_impl(
@@ -134,55 +142,71 @@ def _addmm_impl(
     w_kn: torch.Tensor,
     activation: str | None,
     names: tuple[str, str, str],
-    w_shape_text: str,
+    w_shape: tuple[int, ...],
 ) -> torch.Tensor:
-    """Shared checks and dispatch. ``w_kn`` is the ``[K, N]`` operand (``weight.t()`` for linear)."""
+    """Shared checks and dispatch. ``w_kn`` is the ``[K, N]`` operand (``weight.t()`` for linear).
+
+    Every check runs before anything is launched; the common case (plain float tensors on one device) takes the
+    cheap tests first and builds the error text only on failure: decode calls this per Linear per token."""
     bias_name, x_name, w_name = names
-    act = _activation_code(activation)
-    check_tensor(x, x_name)
-    check_tensor(w_kn, w_name)
-    check_device(w_kn, x, w_name, x_name)
-    if x.dim() < 1:
+    act = _ACTIVATIONS.get(activation, -1) if activation is None or type(activation) is str else -1
+    if act < 0:
+        _activation_code(activation)  # raises the ValueError
+    if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES):
+        check_tensor(x, x_name)
+    if not (isinstance(w_kn, torch.Tensor) and w_kn.dtype in _FLOAT_DTYPES):
+        check_tensor(w_kn, w_name)
+    x_device = x.device
+    if w_kn.device != x_device:
+        check_device(w_kn, x, w_name, x_name)
+    x_dim = x.dim()
+    if x_dim < 1:
         raise ValueError(f"{x_name} must have at least one dimension [..., K], got a 0-d tensor")
     k = x.shape[-1]
-    if w_kn.shape[0] != k:
+    k_w, n = w_kn.shape
+    if k_w != k:
         raise ValueError(
-            f"{x_name} [..., {k}] and {w_name} {w_shape_text} cannot be multiplied: inner dimensions differ "
-            f"({k} vs {w_kn.shape[0]})"
+            f"{x_name} [..., {k}] and {w_name} {list(w_shape)} cannot be multiplied: inner dimensions differ "
+            f"({k} vs {k_w})"
         )
-    n = w_kn.shape[1]
     if bias is not None:
-        check_tensor(bias, bias_name)
-        check_device(bias, x, bias_name, x_name)
+        if not (isinstance(bias, torch.Tensor) and bias.dtype in _FLOAT_DTYPES):
+            check_tensor(bias, bias_name)
+        if bias.device != x_device:
+            check_device(bias, x, bias_name, x_name)
         if not (bias.numel() == 1 or (bias.dim() >= 1 and bias.shape[-1] == n and bias.numel() == n)):
             raise ValueError(
                 f"{bias_name} must have shape [{n}] (or broadcast to it along the rows: [], [1], [1, {n}]), "
                 f"got {list(bias.shape)}"
             )
 
-    cast = _autocast_dtype(x.device.type)
+    cast = _autocast_dtype(x)
     if cast is not None:  # what autocast does for F.linear / torch.addmm: every operand in the autocast dtype
         x, w_kn = x.to(cast), w_kn.to(cast)
         bias = bias.to(cast) if bias is not None else None
     if x.dtype != w_kn.dtype:
         raise TypeError(f"{x_name} ({x.dtype}) and {w_name} ({w_kn.dtype}) must have the same dtype")
     if bias is not None:
-        if bias.dtype not in (x.dtype, torch.float32):
+        if bias.dtype != x.dtype and bias.dtype != torch.float32:
             raise TypeError(f"{bias_name} must be {x.dtype} or torch.float32 (added in fp32), got {bias.dtype}")
         if bias.dim() != 1 or bias.shape[0] != n:
             bias = bias.reshape(-1).expand(n)
-        if bias.stride(0) != 1 and n > 1:
+        if n > 1 and bias.stride(0) != 1:
             bias = bias.contiguous()
 
-    lead = x.shape[:-1]
-    x2 = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)  # [M, K]; reshape(-1, k) is ambiguous for K == 0
+    if x_dim == 2:  # [M, K]: no reshape, output [M, N]
+        x2 = x
+        out_shape = [x.shape[0], n]
+    else:
+        x2 = x.flatten(0, -2) if x_dim > 1 else x.unsqueeze(0)  # [M, K]; reshape(-1, k) is ambiguous for K == 0
+        out_shape = [*x.shape[:-1], n]
     w2, dw_transposed = _mat2_layout(w_kn)
     training = torch.is_grad_enabled() and (
         x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad)
     )
     if not training:  # inference: no autograd node, no saved pre-activation
-        return ops.addmm_fwd(bias, x2, w2, act, False, [*lead, n])[0]
-    y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != 0, dw_transposed, [*lead, n])
+        return ops.addmm_fwd(bias, x2, w2, act, False, out_shape)[0]
+    y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != 0, dw_transposed, out_shape)
     return y
 
 
@@ -209,7 +233,7 @@ def addmm(
     """
     if not isinstance(mat2, torch.Tensor) or mat2.dim() != 2:
         raise ValueError(f"mat2 must be a 2-D tensor [K, N], got {_describe(mat2)}")
-    return _addmm_impl(bias, mat1, mat2, activation, ("bias", "mat1", "mat2"), f"[{mat2.shape[0]}, {mat2.shape[1]}]")
+    return _addmm_impl(bias, mat1, mat2, activation, ("bias", "mat1", "mat2"), mat2.shape)
 
 
 def linear(
@@ -229,9 +253,7 @@ def linear(
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [out, in], got {_describe(weight)}")
-    return _addmm_impl(
-        bias, input, weight.t(), activation, ("bias", "input", "weight"), f"[{weight.shape[0]}, {weight.shape[1]}]"
-    )
+    return _addmm_impl(bias, input, weight.t(), activation, ("bias", "input", "weight"), weight.shape)
 
 
 def _describe(t: object) -> str:

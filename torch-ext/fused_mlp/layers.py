@@ -193,7 +193,9 @@ class Linear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        params = self._parameters  # not self.weight: nn.Module.__getattr__ costs ~1 us a lookup, per token in decode
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
         if is_plain(input) and is_plain(weight) and (bias is None or is_plain(bias)):
             return _linear(input, weight, bias)
         return _module_forward(self, input, "a DTensor or other tensor subclass operand")
@@ -208,7 +210,9 @@ class Conv1D(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
         if is_plain(x) and is_plain(weight) and (bias is None or is_plain(bias)):
             return _addmm(bias, x, weight)
         return _module_forward(self, x, "a DTensor or other tensor subclass operand")
