@@ -6,7 +6,7 @@
 # What comes back is kept to a few files (the device tool returns at most 8, the rest is dropped): $OUT/session.log
 # (every stage's output tail), tests.txt, failures.txt, sanitize.txt, $OUT/<device>/sweep.csv and e2e.csv (the
 # benchmarks mirror their CSVs there).
-# stages: build tests sanitize bench e2e multigpu (default: build tests sanitize bench)
+# stages: build tests props sanitize bench e2e example multigpu (default: build tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/fused-mlp-out}"
@@ -43,6 +43,17 @@ for s in $stages; do
         $xdist ${PYTEST_ARGS:-} > "$OUT/tests.txt" 2>&1
       echo "pytest exit $?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 60 ;;
+    props)
+      stamp props
+      # The large hypothesis sweep (>= 2000 examples per property test, fresh random examples), one test per
+      # worker. Each failure (with its falsifying example and reproduction blob) goes to $OUT/failures.txt the
+      # moment it is reported; xdist prints tracebacks only at the very end, which a time limit can cut off.
+      # Not a short stage: after 150 s on an H200, 6 of the 7 tests were still running.
+      export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
+      HYPOTHESIS_PROFILE=gpu timeout "${PROPS_TIMEOUT:-540}" python3 -m pytest tests/test_properties.py -q -rfE \
+        --tb=short -p no:cacheprovider -n 7 > "$OUT/props.txt" 2>&1
+      echo "pytest exit $?"
+      grep -E "^(FAILED|ERROR)|passed|failed|Falsifying" "$OUT/props.txt" | tail -n 20 ;;
     sanitize)
       stamp sanitize
       # The whole report to a file; the session log gets the per-(tool, driver) summary lines, which a plain tail
