@@ -200,7 +200,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         dx = None
         if need[0]:
             dx = torch.mm(dgate, w_gate)
-            dx.addmm_(dup, w_up)  # accumulated in the GEMM (one rounding for the sum)
+            dx.addmm_(dup, w_up)  # the second product is added in the GEMM (dx: two roundings, as in eager)
         d_w_gate = torch.mm(dgate.t(), x) if need[1] else None
         d_b_gate = dgate.sum(0) if (need[2] and ctx.has_bias[0]) else None
         d_w_up = torch.mm(dup.t(), x) if need[3] else None
