@@ -59,6 +59,18 @@ def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None) -> None:
         setter(*dtypes)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts x's device's matmuls to, or None outside autocast. Eagerly, the any-device
+    flag answers the common "no" without building a device object (decode asks once per layer per token); dynamo
+    traces the public per-device query instead."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 _WARNED: set[str] = set()
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import check_device, check_tensor, declare_grad_dtypes
+from ._common import autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["addmm", "linear", "addmm_reference", "linear_reference"]
@@ -122,17 +122,6 @@ def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w.contiguous(), False
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype for x's device, or None. Eagerly, the any-device flag answers the common "no" without
-    building a device object (decode calls this once per Linear per token)."""
-    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
-        return None
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 _FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
@@ -180,7 +169,7 @@ def _addmm_impl(
                 f"got {list(bias.shape)}"
             )
 
-    cast = _autocast_dtype(x)
+    cast = autocast_dtype(x)
     if cast is not None:  # what autocast does for F.linear / torch.addmm: every operand in the autocast dtype
         x, w_kn = x.to(cast), w_kn.to(cast)
         bias = bias.to(cast) if bias is not None else None

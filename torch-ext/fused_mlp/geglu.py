@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import check_device, check_tensor, declare_grad_dtypes
+from ._common import autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["geglu", "swiglu", "gated_mlp", "geglu_reference", "swiglu_reference", "gated_mlp_reference"]
@@ -230,29 +230,23 @@ def gated_mlp(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, _autocast_on(x))
+    cast = autocast_dtype(x)
+    _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cast)
+    return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, cast)
 
 
-def _autocast_on(x: torch.Tensor) -> bool:
-    """Is autocast active for x's device? Eagerly, the any-device flag answers the common "no" in a fraction of
-    the time (decode runs this per layer per token); dynamo traces the public query instead."""
-    if torch.compiler.is_compiling():
-        return torch.is_autocast_enabled(x.device.type)
-    return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type)
-
-
-def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, autocast: bool) -> torch.Tensor:
+def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
+               autocast: torch.dtype | None) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
     if torch.is_grad_enabled() and (
         x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad
         or (b_gate is not None and b_gate.requires_grad) or (b_up is not None and b_up.requires_grad)
         or (b_down is not None and b_down.requires_grad)
     ):
-        if autocast:
+        if autocast is not None:
             # Cast once, outside the autograd Function, as autocast casts each F.linear's operands; the casts
             # are differentiable (fp32 master weights get fp32 grads) and backward runs in one dtype.
-            dtype = torch.get_autocast_dtype(x.device.type)
+            dtype = autocast
             x, w_gate, w_up, w_down = x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
             b_gate = b_gate.to(dtype) if b_gate is not None else None
             b_up = b_up.to(dtype) if b_up is not None else None
@@ -266,7 +260,7 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str, a
     return F.linear(ops.geglu_fwd(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down, b_down)
 
 
-def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
+def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cast: torch.dtype | None) -> None:
     """Shapes and dtypes, before anything is launched (F.linear would only complain half-way through)."""
     check_tensor(x, "x")
     if x.dim() == 0:
@@ -289,7 +283,7 @@ def _check_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
             check_device(b, x, name, "x")
             if b.shape != (n,):
                 raise ValueError(f"{name} must have shape [{n}], got {list(b.shape)}")
-    if not _autocast_on(x):
+    if cast is None:
         dts = {x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype}
         dts.update(b.dtype for b in (b_gate, b_up, b_down) if b is not None)
         if len(dts) != 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import dtensor_type, is_plain, warn_once
+from ._common import autocast_dtype, dtensor_type, is_plain, warn_once
 from .rms_norm import rms_norm
 
 __all__ = ["RMSNorm", "GemmaRMSNorm"]
@@ -75,7 +75,7 @@ class GemmaRMSNorm(nn.Module):
 
 
 # ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
-from .geglu import _GELU_APPROXIMATE, _autocast_on, _gated_mlp  # noqa: E402
+from .geglu import _GELU_APPROXIMATE, _gated_mlp  # noqa: E402
 
 __all__ += ["GeGLUMLP"]
 
@@ -153,9 +153,9 @@ class GeGLUMLP(nn.Module):
             w_gate, w_up, w_down = gp["weight"], upp["weight"], dp["weight"]
             b_gate, b_up, b_down = gp.get("bias"), upp.get("bias"), dp.get("bias")
             dtype = x.dtype
-            autocast = _autocast_on(x)
+            autocast = autocast_dtype(x)
             if (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32) and (
-                autocast  # every operand is cast to the autocast dtype, as F.linear would cast it
+                autocast is not None  # every operand is cast to the autocast dtype, as F.linear would cast it
                 or (
                     w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
                     and (b_gate is None or b_gate.dtype is dtype)
@@ -181,6 +181,15 @@ from .addmm import linear as _linear  # noqa: E402
 __all__ += ["Linear", "Conv1D"]
 
 
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``module.weight, module.bias`` from ``_parameters`` when they are parameters (nn.Module.__getattr__ costs ~1 us
+    a lookup, paid per Linear per token in decode), else through the attributes."""
+    params = module._parameters
+    weight = params["weight"] if "weight" in params else module.weight
+    bias = params["bias"] if "bias" in params else module.bias
+    return weight, bias
+
+
 class Linear(nn.Module):
     """``nn.Linear``: ``input @ weight.T + bias`` with the bias added to the fp32 GEMM accumulator (one rounding)
     and the bias gradient summed in fp32.
@@ -193,9 +202,7 @@ class Linear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        params = self._parameters  # not self.weight: nn.Module.__getattr__ costs ~1 us a lookup, per token in decode
-        weight = params["weight"] if "weight" in params else self.weight
-        bias = params["bias"] if "bias" in params else self.bias
+        weight, bias = _weight_and_bias(self)
         if is_plain(input) and is_plain(weight) and (bias is None or is_plain(bias)):
             return _linear(input, weight, bias)
         return _module_forward(self, input, "a DTensor or other tensor subclass operand")
@@ -210,9 +217,7 @@ class Conv1D(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = self._parameters
-        weight = params["weight"] if "weight" in params else self.weight
-        bias = params["bias"] if "bias" in params else self.bias
+        weight, bias = _weight_and_bias(self)
         if is_plain(x) and is_plain(weight) and (bias is None or is_plain(bias)):
             return _addmm(bias, x, weight)
         return _module_forward(self, x, "a DTensor or other tensor subclass operand")
