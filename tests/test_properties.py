@@ -341,12 +341,50 @@ def mlp_cases(draw) -> dict:
     )
 
 
+def _rounded_projection_errors(args, dy, act: str) -> list[float]:
+    """The error every 16-bit gated MLP has before its own arithmetic starts: y and the seven gradients evaluated
+    in fp64 from the projections as the 16-bit GEMMs return them (gate, up and dh = dy W_down rounded to the
+    dtype; ours and PyTorch's read bitwise the same ones) minus the fp64 truth, as max |difference| per result.
+
+    These roundings are shared, so they would cancel out of the 2x rule if errors only added; but a reduction over
+    the tokens (dW, db) turns them into one common offset, and ours and PyTorch's own roundings then land on
+    either side of it. With one output element (H = I = 1) and ~150 tokens PyTorch's sum was once 0.6 units from
+    the truth and ours 4.4 (ours one rounding per element, PyTorch's two: ours is closer in ~80% of such cases).
+    Allowing this common error once on top of the 2x rule keeps the rule about the implementations' own errors."""
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down = args
+    rows = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, w_down.shape[0])
+    f64 = {k: None if t is None else t.double() for k, t in zip(("x", "wg", "wu", "wd", "bg", "bu", "bd"), args)}
+    fn = GATED[act]
+
+    def backward(gate, up, dh):
+        gate = gate.detach().requires_grad_()
+        a = fn(gate)
+        (dgate,) = torch.autograd.grad(a, gate, dh * up)
+        a = a.detach()
+        dup, h = dh * a, a * up
+        y = F.linear(h, f64["wd"], f64["bd"])
+        x64, dy64 = rows.double(), dy2.double()
+        return [y, dgate @ f64["wg"] + dup @ f64["wu"], dgate.t() @ x64, dup.t() @ x64, dy64.t() @ h,
+                dgate.sum(0), dup.sum(0), dy64.sum(0)]
+
+    x64 = rows.double()
+    exact = backward(F.linear(x64, f64["wg"], f64["bg"]), F.linear(x64, f64["wu"], f64["bu"]), dy2.double() @ f64["wd"])
+    rounded = backward(F.linear(rows, w_gate, b_gate).double(), F.linear(rows, w_up, b_up).double(),
+                       (dy2.to(x.dtype) @ w_down).double())
+    return [(r - e).abs().max().item() if r.numel() else 0.0 for r, e in zip(rounded, exact)]
+
+
 @given(case=mlp_cases())
 @regressions(
     # Test tolerance: one token (T = 1), nothing averages; ours and PyTorch's h are each rounded to bf16 and one
     # element of dW_down = dy h^T was 1.3 ulp off while PyTorch's was lucky (see _intermediate_floor).
     dict(device="cpu", dtype=BF16, act="gelu_tanh", lead=(), h=3, i=44, h_out=None, biases=(True, True, False),
          training=True, frozen="none", dy_dtype="out", seed=52),
+    # Test tolerance (gpu sweep, CUDA): H = I = 1, 147 tokens, fp16; dW_up is one sum over the tokens of products
+    # of rounded projections: ours 0.0049 from the truth, PyTorch's 0.0009 (see _rounded_projection_errors).
+    dict(device="cpu", dtype=F16, act="gelu_tanh", lead=(147,), h=1, i=1, h_out=None, biases=(True, False, False),
+         training=True, frozen="none", dy_dtype="out", seed=148),
 )
 def test_gated_mlp_properties(fm, case):
     """gated_mlp (optional biases, H_out != H, 1-D / 2-D / 3-D x, frozen inputs or weights) forward and backward
@@ -388,15 +426,19 @@ def test_gated_mlp_properties(fm, case):
     y64, g64 = run(args, F64, ref, None if dy is None else dy.double())
     ys, gs = run(args, dt, ref, None if dy is None else dy.to(dt))
     assert y.shape == (*case["lead"], h_out) and y.dtype == dt
-    assert_2x_rule(y.detach(), y64, ys.detach(), name="y", floor=_intermediate_floor(dt, y64))
+    common = [0.0] * 8
+    if dt != F32:
+        dy_c = dy if dy is not None else torch.zeros((*case["lead"], h_out), dtype=dt, device=dev)
+        common = _rounded_projection_errors(args, dy_c, act)
+    assert_2x_rule(y.detach(), y64, ys.detach(), name="y", floor=_intermediate_floor(dt, y64) + common[0])
     if dy is None:
         return
     names = ["dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down"]
-    for name, o, t, b in zip(names, g, g64, gs):
+    for name, o, t, b, c in zip(names, g, g64, gs, common[1:]):
         if t is None:
             assert o is None, f"{name}: gradient computed for an input that does not require it"
             continue
-        assert_2x_rule(o, t, b, name=name, floor=_intermediate_floor(dt, t))
+        assert_2x_rule(o, t, b, name=name, floor=_intermediate_floor(dt, t) + c)
 
 
 # ---- addmm / linear ---------------------------------------------------------------------------------------------
@@ -435,6 +477,16 @@ def _act64(z, act):
 
 @given(case=addmm_cases())
 @regressions(
+    # Fixed in the op (gpu sweep, CPU): a scalar bias's gradient was summed to [N] in bf16 and then by autograd's
+    # expand backward again (two roundings: 0.117 from the truth where PyTorch's happened to be 0.008); now it is
+    # reduced to the bias's shape in fp32 and rounded once.
+    dict(device="cpu", dtype=BF16, act="gelu_tanh", api="linear", lead=(273,), k=0, n=11, x_layout="contiguous",
+         w_layout="native", bias="scalar", training=True, frozen="none", dy_dtype="out", seed=65535),
+    dict(device="cpu", dtype=F32, act=None, api="linear", lead=(), k=0, n=0, x_layout="contiguous",
+         w_layout="native", bias="row", training=True, frozen="none", dy_dtype="out", seed=0),  # (a [1, 0] bias)
+    # Test tolerance (gpu sweep, CPU): the gradient of an fp32 bias at the bf16-rounded saved pre-activation.
+    dict(device="cpu", dtype=BF16, act="gelu_tanh", api="linear", lead=(3,), k=0, n=1, x_layout="contiguous",
+         w_layout="native", bias="fp32", training=True, frozen="none", dy_dtype="out", seed=0),
     # Test bugs (fixed in this file): K = 0 and a scalar ([]) bias in the reference / tensor helpers.
     dict(device="cpu", dtype=F32, act=None, api="linear", lead=(1,), k=0, n=1, x_layout="contiguous",
          w_layout="native", bias="same", training=True, frozen="none", dy_dtype="out", seed=0),
@@ -531,6 +583,17 @@ def test_addmm_linear_properties(fm, case):
         "dw": _amax(x.double().abs().reshape(rows, k).t() @ dz.reshape(rows, n)) * max(rows, 1) if dz.numel() else 0.0,
         "db": _amax(dz.reshape(rows, n).sum(0)) * max(rows, 1) if dz.numel() else 0.0,
     }
+    # With an activation and 16-bit inputs the pre-activation Z is saved in the input dtype (ours as eager's), so
+    # every such backward is the gradient at the rounded Z: that shared error is allowed once on top of the rule
+    # (found by the gpu sweep: an fp32 bias's gradient over 2-3 rows, 1e-4 from the truth where PyTorch's landed
+    # 3e-5 away by chance).
+    common = {"dx": 0.0, "dw": 0.0, "db": 0.0}
+    if act is not None and dt != F32 and dz.numel():
+        zr = z64.to(dt).double().requires_grad_()
+        _act64(zr, act).backward(dy.double())
+        dd = (zr.grad - zz.grad).reshape(rows, n)
+        common = {"dx": _amax(dd @ w_kn(w).double().t()), "dw": _amax(x.double().reshape(rows, k).t() @ dd),
+                  "db": _amax(dd.sum(0)) if b is None or b.numel() == n else abs(dd.sum().item())}
     for name, leaf, t, sg in zip(("dx", "dw", "db"), leaves, truth_g, same_g):
         if leaf is None:
             continue
@@ -538,8 +601,8 @@ def test_addmm_linear_properties(fm, case):
             assert leaf.grad is None, f"{name}: gradient computed for a frozen input"
             continue
         assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype, name
-        assert_2x_rule(leaf.grad, t, sg.to(leaf.dtype), name=name,
-                       floor=FLOOR[leaf.dtype] + (1.13 * U32 * terms[name] if leaf.dtype == F32 else 0.0))
+        assert_2x_rule(leaf.grad, t, sg.to(leaf.dtype), name=name, floor=FLOOR[leaf.dtype] + common[name]
+                       + (1.13 * U32 * terms[name] if leaf.dtype == F32 else 0.0))
 
 
 # ---- layers against the modules they replace ----------------------------------------------------------------------
@@ -638,6 +701,7 @@ def test_rms_norm_layers_properties(fm, case):
 
 
 MLP_ACTS = {"gelu_pytorch_tanh": GemmaMLP, "gelu_new": GemmaMLP, "gelu": LlamaMLP, "silu": LlamaMLP}
+_LAYER_ACT = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 
 
 @st.composite
@@ -659,6 +723,10 @@ def mlp_layer_cases(draw) -> dict:
 
 @given(case=mlp_layer_cases())
 @regressions(
+    # Test tolerance (gpu sweep, CUDA): 149 tokens, I = 1: gate_proj.bias is one sum over the tokens (see
+    # _rounded_projection_errors).
+    dict(device="cpu", act="gelu", dtype=BF16, lead=(149,), h=30, i=1, bias=True, training=True, dy_dtype="out",
+         seed=30),
     # Test tolerance: one token, fp16: as for gated_mlp (down_proj.weight 1 ulp beyond 2x PyTorch's lucky error).
     dict(device="cpu", act="gelu", dtype=F16, lead=(), h=72, i=149, bias=True, training=True, dy_dtype="out",
          seed=21038),
@@ -688,8 +756,17 @@ def test_geglu_mlp_layer_properties(fm, case):
         dy = make_tensor((*case["lead"], case["h"]), incoming_grad_dtype(case["dy_dtype"] == "fp32", dt), dev, "contiguous",
                          case["seed"] + 1)
 
+    common = {}
+    if dt != F32:
+        p = {n_: t.detach() for n_, t in module.named_parameters()}
+        args = [x] + [p.get(f"{proj}.{kind}") for kind in ("weight", "bias") for proj in ("gate_proj", "up_proj", "down_proj")]
+        dy_c = dy if dy is not None else torch.zeros_like(x)
+        errs = _rounded_projection_errors(args, dy_c, _LAYER_ACT[case["act"]])
+        common = dict(zip(["y", "dx", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_proj.bias",
+                           "up_proj.bias", "down_proj.bias"], errs))
+
     def floors(name, ref, dtype):
-        return _intermediate_floor(dtype, ref)
+        return _intermediate_floor(dtype, ref) + common.get(name, 0.0)
 
     _layer_check(fm.layers.GeGLUMLP.forward, module, x, dy, floors)
 

@@ -45,17 +45,32 @@ for s in $stages; do
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 60 ;;
     props)
       stamp props
-      # The large hypothesis sweep (>= 2000 examples per property test, fresh random examples), one test per
-      # worker. Each failure (with its falsifying example and reproduction blob) goes to $OUT/failures.txt the
-      # moment it is reported; xdist prints tracebacks only at the very end, which a time limit can cut off.
-      # Not a short stage: after 150 s on an H200, 6 of the 7 tests were still running.
+      # The large hypothesis sweep: >= 2000 fresh random examples per property test, each test split into
+      # PROPS_SHARDS processes of 2000/PROPS_SHARDS examples with distinct seeds (one process per test did not
+      # finish in 510 s on the H200 with 7 workers), one CPU thread each (half the examples run on the CPU).
+      # Each failure (falsifying example and reproduction blob) goes to $OUT/failures.txt the moment it is
+      # reported; every shard's summary line and time go to $OUT/props.txt.
       export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
-      xdist=""
-      python3 -c "import xdist" 2>/dev/null && xdist="-n 7"
-      HYPOTHESIS_PROFILE=gpu timeout "${PROPS_TIMEOUT:-540}" python3 -m pytest tests/test_properties.py -q -rfE \
-        --tb=short -p no:cacheprovider $xdist > "$OUT/props.txt" 2>&1
-      echo "pytest exit $?"
-      grep -E "^(FAILED|ERROR)|passed|failed|Falsifying" "$OUT/props.txt" | tail -n 20 ;;
+      shards="${PROPS_SHARDS:-2}"
+      export FUSED_MLP_HYPOTHESIS_EXAMPLES=$(( (2000 + shards - 1) / shards ))
+      mkdir -p /tmp/props
+      pids=()
+      for t in $(grep -oE "^def (test_[a-z0-9_]+)" tests/test_properties.py | cut -c5-); do
+        for k in $(seq 1 "$shards"); do
+          seed=$((1000 * k + RANDOM))
+          ( s0=$(date +%s)
+            OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=gpu timeout "${PROPS_TIMEOUT:-480}" python3 -m pytest \
+              "tests/test_properties.py::$t" -q -rfE --tb=short -p no:cacheprovider -p no:xdist \
+              --hypothesis-seed="$seed" > "/tmp/props/$t.$k.txt" 2>&1
+            rc=$?
+            echo "$t shard $k/$shards (seed $seed): exit $rc, $(( $(date +%s) - s0 )) s: $(tail -n 1 "/tmp/props/$t.$k.txt")" \
+              >> "$OUT/props.txt" ) &
+          pids+=($!)
+        done
+      done
+      wait "${pids[@]}"
+      cat "$OUT/props.txt"
+      grep -h "^E   AssertionError" /tmp/props/*.txt | head -n 20 ;;
     sanitize)
       stamp sanitize
       # The whole report to a file; the session log gets the per-(tool, driver) summary lines, which a plain tail

@@ -13,7 +13,8 @@ accumulator and one kernel applies bias + erf-GeLU and rounds once). An fp32 bia
 in fp32 too (cuBLASLt's epilogue wants the bias in the output dtype, which would round it first).
 
 Backward: ``dZ = dY * act'(Z)`` in fp32 with ``Z`` the saved pre-activation (input dtype), the bias gradient
-summed in fp32 in a fixed order (deterministic), then two plain GEMMs for ``dX`` and ``dW``; ``dW`` has the
+summed in fp32 in a fixed order (deterministic; a broadcast bias's gradient reduced to the bias's own shape in fp32
+too, so every bias gradient is rounded once), then two plain GEMMs for ``dX`` and ``dW``; ``dW`` has the
 weight's own memory layout. An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast
 (``ctx.set_output_grad_dtype`` on torch >= 2.14). Under ``torch.autocast`` the inputs are cast like
 ``F.linear``/``torch.addmm`` are. Design notes and the exact cuBLASLt mapping: ``kernels_src/cuda/addmm.cu``.
@@ -60,6 +61,12 @@ def _addmm_bwd_fake(dy, preact, mat1, mat2, activation, need_dx, need_dw, dw_tra
 # ---- autograd ---------------------------------------------------------------------------------------------
 
 
+def _bias_as_row(bias: torch.Tensor, n: int) -> torch.Tensor:
+    """A bias of one element ([], [1]) or [1, N], as the [N] row with unit stride the kernels read."""
+    row = bias.reshape(-1).expand(n)
+    return row.contiguous() if n > 1 and row.stride(0) != 1 else row
+
+
 class _AddmmFunction(torch.autograd.Function):
     """``mat1`` is already 2-D ``[M, K]`` (reshaped before ``apply`` so ranks stay stable under torch.compile);
     ``mat2`` is ``[K, N]`` in a layout the kernels use in place (see ``_mat2_layout``).
@@ -73,6 +80,13 @@ class _AddmmFunction(torch.autograd.Function):
     def forward(ctx, bias, mat1, mat2, activation, save_preact, dw_transposed, out_shape):
         # Classic forward(ctx, ...) form: with a separate setup_context, apply() binds the signature with inspect on
         # every call (tens of microseconds: decode-sized GEMMs would pay that on every token).
+        # A broadcast bias ([], [1], [1, N]) arrives as given and is expanded here, so that backward reduces its
+        # gradient to that shape in fp32 and rounds once (autograd's expand backward would sum the rounded [N]
+        # gradient again: two roundings).
+        ctx.bias_shape = None
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != mat2.shape[1]):
+            ctx.bias_shape = bias.shape
+            bias = _bias_as_row(bias, mat2.shape[1])
         y, z = ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
         ctx.save_for_backward(mat1, mat2, z if activation != 0 else None)
         ctx.mark_non_differentiable(z)
@@ -92,11 +106,15 @@ class _AddmmFunction(torch.autograd.Function):
         dy = dy.reshape(mat1.shape[0], mat2.shape[1])  # [..., N] -> [M, N]; the kernels take any row stride
         if dy.dtype != mat1.dtype and dy.dtype != torch.float32:
             dy = dy.to(mat1.dtype)
+        bias_shape = ctx.bias_shape
+        db_dtype = ctx.bias_dtype if bias_shape is None else torch.float32
         dx, dw, db = ops.addmm_bwd(
-            dy, z, mat1, mat2, ctx.activation, need_dx, need_dw, ctx.dw_transposed, need_db, ctx.bias_dtype
+            dy, z, mat1, mat2, ctx.activation, need_dx, need_dw, ctx.dw_transposed, need_db, db_dtype
         )
         if need_dw and ctx.dw_transposed:
             dw = dw.t()
+        if need_db and bias_shape is not None:  # [N] in fp32 -> the bias's own shape, rounded once
+            db = (db if db.numel() == bias_shape.numel() else db.sum()).reshape(bias_shape).to(ctx.bias_dtype)
         return (db if need_db else None), (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 
@@ -178,9 +196,7 @@ def _addmm_impl(
     if bias is not None:
         if bias.dtype != x.dtype and bias.dtype != torch.float32:
             raise TypeError(f"{bias_name} must be {x.dtype} or torch.float32 (added in fp32), got {bias.dtype}")
-        if bias.dim() != 1 or bias.shape[0] != n:
-            bias = bias.reshape(-1).expand(n)
-        if n > 1 and bias.stride(0) != 1:
+        if bias.dim() == 1 and n > 1 and bias.stride(0) != 1:
             bias = bias.contiguous()
 
     if x_dim == 2:  # [M, K]: no reshape, output [M, N]
@@ -194,6 +210,8 @@ def _addmm_impl(
         x2.requires_grad or w2.requires_grad or (bias is not None and bias.requires_grad)
     )
     if not training:  # inference: no autograd node, no saved pre-activation
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+            bias = _bias_as_row(bias, n)
         return ops.addmm_fwd(bias, x2, w2, act, False, out_shape)[0]
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != 0, dw_transposed, out_shape)
     return y
