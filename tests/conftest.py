@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,11 +44,37 @@ DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")
 
 
+@functools.lru_cache(maxsize=None)
+def variant_root(kind: str | None = None) -> Path:
+    """The repository root `kernels` loads from, or a stand-in holding only one kind of variant of this checkout's
+    build/ (symlinks): "stable" (torch-stable-abi*), "torch" (the per-torch torch<XY>-cxx11-* ones) or one variant
+    directory's name. Default: FUSED_MLP_VARIANT, unset = everything built (`kernels` then prefers the stable-ABI
+    variant, as users get it)."""
+    kind = kind if kind is not None else os.environ.get("FUSED_MLP_VARIANT", "")
+    if not kind:
+        return ROOT
+    build = ROOT / "build"
+    if not build.is_dir():  # kernel-builder's test closure: no build/ here, LOCAL_KERNELS names the variant
+        return ROOT
+    names = sorted(d.name for d in build.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if kind in ("stable", "torch"):
+        picked = [n for n in names if n.startswith("torch-stable-abi") == (kind == "stable")]
+    else:
+        picked = [n for n in names if n == kind]
+    if not picked:
+        pytest.exit(f"FUSED_MLP_VARIANT={kind!r}: no such variant under {build} (built: {names})", returncode=2)
+    root = Path(tempfile.mkdtemp(prefix=f"fused-mlp-{kind}-"))
+    (root / "build").mkdir()
+    for n in picked:
+        (root / "build" / n).symlink_to(build / n, target_is_directory=True)
+    return root
+
+
 def _load(backend: str | None):
     import kernels
 
     try:
-        return kernels.get_local_kernel(ROOT, backend=backend)
+        return kernels.get_local_kernel(variant_root(), backend=backend)
     except FileNotFoundError as e:  # no build for this torch
         if REPO_ID in os.environ.get("LOCAL_KERNELS", ""):
             # kernel-builder's test closure (`nix build .#ci-test`): the sources have no build/, and

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -99,19 +100,19 @@ def test_missing_nvcc_is_one_line_error(tmp_path):
 
 def test_incremental_rebuild_and_failed_build_leaves_previous_variant(tmp_path):
     root = copy_tree(tmp_path)
-    first = run_build(root, "--backend", "cpu")
+    first = run_build(root, "--backend", "cpu", "--abi", "torch")
     assert first.returncode == 0, first.stderr
     variants = [d for d in (root / "build").iterdir() if d.is_dir()]
     assert len(variants) == 1
     before = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
 
-    again = run_build(root, "--backend", "cpu")
+    again = run_build(root, "--backend", "cpu", "--abi", "torch")
     assert again.returncode == 0 and "no work to do" in again.stdout
 
     # Break a kernel source: the build fails, and the previous variant is left exactly as it was.
     src = root / "kernels_src" / "cpu" / "rms_norm.cpp"
     src.write_text(src.read_text() + "\nthis is not C++;\n")
-    broken = run_build(root, "--backend", "cpu")
+    broken = run_build(root, "--backend", "cpu", "--abi", "torch")
     assert broken.returncode == 1
     assert broken.stderr.strip().splitlines()[-1].startswith("fused-mlp build error: compilation of")
     after = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
@@ -167,3 +168,23 @@ def test_shared_libstdcxx_is_named_when_the_driver_lacks_it(tmp_path):
     with pytest.raises(build_tool.BuildError, match="only link libstdc\\+\\+ statically"):
         build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "c", {"libstdc++.a"}))
     assert build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "d", set())) == []  # not libstdc++ at all
+
+
+def test_stable_abi_variants_planned_from_build_toml():
+    """build.toml's [torch.stable-abi] adds a torch-stable-abi<XY> variant per backend next to the per-torch one,
+    compiled with TORCH_TARGET_VERSION for that torch (what `kernels` 0.17 names and prefers)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import build
+
+    cfg = load_build_config(ROOT / "build.toml")
+    assert cfg.stable_abi == {"cpu": "2.10", "cuda": "2.10"}
+    tc = build.Toolchain(cxx="g++", nvcc=None, cuda_home=None, ninja="ninja")
+    tag = build.torch_tag(torch)
+    names = [v.name for v in build.plan_variants(cfg, "cpu", tc, "all")]
+    assert names == [f"{tag}-cxx11-cpu-x86_64-linux", "torch-stable-abi210-cpu-x86_64-linux"]
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "stable")] == names[1:]
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "torch")] == names[:1]
+    assert build.stable_define("2.10") == "-DTORCH_TARGET_VERSION=0x020A000000000000"
+    flags = build.compile_flags(cfg, "cpu", tc, [], stable_abi="2.10")
+    assert "-DTORCH_TARGET_VERSION=0x020A000000000000" in flags.cxx
+    assert not any("TORCH_TARGET_VERSION" in f for f in build.compile_flags(cfg, "cpu", tc, []).cxx)

@@ -342,20 +342,25 @@ def mlp_cases(draw) -> dict:
 
 
 def _rounded_projection_errors(args, dy, act: str) -> list[float]:
-    """The error every 16-bit gated MLP has before its own arithmetic starts: y and the seven gradients evaluated
-    in fp64 from the projections as the 16-bit GEMMs return them (gate, up and dh = dy W_down rounded to the
-    dtype; ours and PyTorch's read bitwise the same ones) minus the fp64 truth, as max |difference| per result.
+    """Floors for y and the seven gradients of a 16-bit gated MLP (max over each result), the sum of two errors
+    every such implementation has whatever its arithmetic, evaluated in fp64:
 
-    These roundings are shared, so they would cancel out of the 2x rule if errors only added; but a reduction over
-    the tokens (dW, db) turns them into one common offset, and ours and PyTorch's own roundings then land on
-    either side of it. With one output element (H = I = 1) and ~150 tokens PyTorch's sum was once 0.6 units from
-    the truth and ours 4.4 (ours one rounding per element, PyTorch's two: ours is closer in ~80% of such cases).
-    Allowing this common error once on top of the 2x rule keeps the rule about the implementations' own errors."""
+    * the shared start: the projections as the 16-bit GEMMs return them (gate, up and dh = dy W_down rounded to
+      the dtype; ours and PyTorch's read bitwise the same ones): the results from those minus the truth;
+    * its own materialised intermediates, each rounded once to the dtype (h before the down projection; dgate and
+      dup before the weight and bias GEMMs): one unit roundoff of the sum of |terms| of each reduction.
+
+    Both matter when a reduction over the tokens (dW, db) has few outputs: with one output element (H = 1 or
+    I = 1) and ~100-300 tokens the sweeps found PyTorch's sum 0.1-0.6 units from the truth by chance and ours 4-10
+    (ours rounds each element once, PyTorch's twice: ours is the closer one in ~80% of such cases). Allowing these
+    once on top of the 2x rule keeps the rule about the implementations' own errors."""
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = args
+    unit = UNIT[x.dtype]
     rows = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, w_down.shape[0])
     f64 = {k: None if t is None else t.double() for k, t in zip(("x", "wg", "wu", "wd", "bg", "bu", "bd"), args)}
     fn = GATED[act]
+    x64, dy64 = rows.double(), dy2.double()
 
     def backward(gate, up, dh):
         gate = gate.detach().requires_grad_()
@@ -364,15 +369,17 @@ def _rounded_projection_errors(args, dy, act: str) -> list[float]:
         a = a.detach()
         dup, h = dh * a, a * up
         y = F.linear(h, f64["wd"], f64["bd"])
-        x64, dy64 = rows.double(), dy2.double()
-        return [y, dgate @ f64["wg"] + dup @ f64["wu"], dgate.t() @ x64, dup.t() @ x64, dy64.t() @ h,
-                dgate.sum(0), dup.sum(0), dy64.sum(0)]
+        results = [y, dgate @ f64["wg"] + dup @ f64["wu"], dgate.t() @ x64, dup.t() @ x64, dy64.t() @ h,
+                   dgate.sum(0), dup.sum(0), dy64.sum(0)]
+        ad, au, ah = dgate.abs(), dup.abs(), h.abs()
+        sums = [ah @ f64["wd"].abs().t(), ad @ f64["wg"].abs() + au @ f64["wu"].abs(), ad.t() @ x64.abs(),
+                au.t() @ x64.abs(), dy64.abs().t() @ ah, ad.sum(0), au.sum(0), torch.zeros_like(dy64.sum(0))]
+        return results, sums
 
-    x64 = rows.double()
-    exact = backward(F.linear(x64, f64["wg"], f64["bg"]), F.linear(x64, f64["wu"], f64["bu"]), dy2.double() @ f64["wd"])
-    rounded = backward(F.linear(rows, w_gate, b_gate).double(), F.linear(rows, w_up, b_up).double(),
-                       (dy2.to(x.dtype) @ w_down).double())
-    return [(r - e).abs().max().item() if r.numel() else 0.0 for r, e in zip(rounded, exact)]
+    exact, _ = backward(F.linear(x64, f64["wg"], f64["bg"]), F.linear(x64, f64["wu"], f64["bu"]), dy64 @ f64["wd"])
+    rounded, sums = backward(F.linear(rows, w_gate, b_gate).double(), F.linear(rows, w_up, b_up).double(),
+                             (dy2.to(x.dtype) @ w_down).double())
+    return [((r - e).abs() + unit * t).max().item() if r.numel() else 0.0 for r, e, t in zip(rounded, exact, sums)]
 
 
 @given(case=mlp_cases())
@@ -385,6 +392,9 @@ def _rounded_projection_errors(args, dy, act: str) -> list[float]:
     # of rounded projections: ours 0.0049 from the truth, PyTorch's 0.0009 (see _rounded_projection_errors).
     dict(device="cpu", dtype=F16, act="gelu_tanh", lead=(147,), h=1, i=1, h_out=None, biases=(True, False, False),
          training=True, frozen="none", dy_dtype="out", seed=148),
+    # Test tolerance (second gpu sweep, CUDA): dW_gate over 270 tokens with H = 1 (0.0062 vs PyTorch's 0.0003).
+    dict(device="cpu", dtype=F16, act="silu", lead=(270,), h=1, i=1, h_out=None, biases=(False, True, False),
+         training=True, frozen="none", dy_dtype="out", seed=1),
 )
 def test_gated_mlp_properties(fm, case):
     """gated_mlp (optional biases, H_out != H, 1-D / 2-D / 3-D x, frozen inputs or weights) forward and backward
@@ -727,6 +737,8 @@ def mlp_layer_cases(draw) -> dict:
     # _rounded_projection_errors).
     dict(device="cpu", act="gelu", dtype=BF16, lead=(149,), h=30, i=1, bias=True, training=True, dy_dtype="out",
          seed=30),
+    dict(device="cpu", act="gelu", dtype=BF16, lead=(106,), h=24, i=1, bias=True, training=True, dy_dtype="out",
+         seed=22280),
     # Test tolerance: one token, fp16: as for gated_mlp (down_proj.weight 1 ulp beyond 2x PyTorch's lucky error).
     dict(device="cpu", act="gelu", dtype=F16, lead=(), h=72, i=149, bias=True, training=True, dy_dtype="out",
          seed=21038),

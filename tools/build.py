@@ -55,6 +55,7 @@ class Variant:
     name: str  # build/<name>
     namespace: str = ""  # op namespace == extension module name
     capabilities: list[str] = field(default_factory=list)
+    stable_abi: str | None = None  # "2.10": built against torch's stable ABI, loads under every torch >= 2.10
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -160,16 +161,45 @@ def find_cublaslt(cuda_home: Path) -> tuple[Path, Path, str]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain) -> list[Variant]:
+def stable_tag(version: str) -> str:
+    """`torch-stable-abi210` for "2.10" (the `kernels` loader's name for a stable-ABI variant)."""
+    major, minor = version.split(".")[:2]
+    return f"torch-stable-abi{major}{minor}"
+
+
+def stable_define(version: str) -> str:
+    """TORCH_TARGET_VERSION for "2.10": 0xMMmmpppp00000000 (major, minor, patch 0), as torch/headeronly/version.h."""
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return f"-DTORCH_TARGET_VERSION=0x{major:02X}{minor:02X}000000000000"
+
+
+def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "all") -> list[Variant]:
+    """The variants to build: per-torch (`torch<XY>-cxx11-...`, abi "torch" or "all") and, where build.toml sets
+    `[torch.stable-abi]` for the backend, stable-ABI ones (`torch-stable-abi<XY>-...`, abi "stable" or "all")."""
     torch = _torch()
     tag = torch_tag(torch)
     want_cpu = requested in ("auto", "all", "cpu")
     want_cuda = requested in ("auto", "all", "cuda")
     variants: list[Variant] = []
+
+    def add(backend: str, arch: str, caps: list[str] | None = None) -> None:
+        if abi in ("torch", "all"):
+            variants.append(Variant(backend, f"{tag}-cxx11-{arch}", capabilities=list(caps or [])))
+        target = cfg.stable_abi.get(backend)
+        if abi in ("stable", "all") and target is not None:
+            have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+            if have < tuple(int(p) for p in target.split(".")[:2]):
+                raise BuildError(f"the stable-ABI variant targets torch {target} but torch {torch.__version__} is "
+                                 "older: build it with a newer torch")
+            variants.append(Variant(backend, f"{stable_tag(target)}-{arch}", capabilities=list(caps or []),
+                                    stable_abi=target))
+        elif abi == "stable" and target is None:
+            raise BuildError(f"build.toml sets no [torch.stable-abi] version for the {backend} backend")
+
     if want_cpu:
         if "cpu" not in cfg.backends:
             raise BuildError("build.toml does not list the cpu backend")
-        variants.append(Variant("cpu", f"{tag}-cxx11-cpu-x86_64-linux"))
+        add("cpu", "cpu-x86_64-linux")
     if want_cuda and "cuda" in cfg.backends:
         explicit = requested in ("cuda", "all")
         if torch.version.cuda is None:
@@ -187,7 +217,7 @@ def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain) -> list[Varia
                     "the major versions must match for the variant to load"
                 )
             caps = narrow_capabilities(cfg.cuda_capabilities())
-            variants.append(Variant("cuda", f"{tag}-cxx11-cu{t_major}{t_minor}-x86_64-linux", capabilities=caps))
+            add("cuda", f"cu{t_major}{t_minor}-x86_64-linux", caps)
     elif requested == "cuda":
         raise BuildError("build.toml does not list the cuda backend")
     return variants
@@ -220,8 +250,10 @@ REGISTRATION_H = """\
 #define _STRINGIFY(A) #A
 #define STRINGIFY(A) _STRINGIFY(A)
 
-// TORCH_LIBRARY with a macro-expanded namespace.
+// TORCH_LIBRARY (and the stable-ABI forms) with a macro-expanded namespace.
 #define TORCH_LIBRARY_EXPAND(NAME, MODULE) TORCH_LIBRARY(NAME, MODULE)
+#define STABLE_TORCH_LIBRARY_EXPAND(NAME, MODULE) STABLE_TORCH_LIBRARY(NAME, MODULE)
+#define STABLE_TORCH_LIBRARY_IMPL_EXPAND(NAME, DEVICE, MODULE) STABLE_TORCH_LIBRARY_IMPL(NAME, DEVICE, MODULE)
 
 // An empty Python module, so that `from . import <name>` loads the shared library and its registrations.
 #define REGISTER_EXTENSION(NAME)                                                         \\
@@ -283,7 +315,7 @@ def torch_nvcc_flags() -> list[str]:
 
 
 def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: list[str],
-                  extra_cuda_includes: list[Path] | None = None) -> CompileFlags:
+                  extra_cuda_includes: list[Path] | None = None, stable_abi: str | None = None) -> CompileFlags:
     """Compiler and linker flags of a `backend` variant built with toolchain `tc` for `capabilities`.
     `extra_cuda_includes` go before the toolkit's own headers (the CUDA-toolkit check uses it)."""
     torch = _torch()
@@ -299,6 +331,8 @@ def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: l
     defs = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPy_LIMITED_API=0x03090000"]
     sys_inc = [f"-isystem {torch_inc}", f"-isystem {py_inc}"]
     libs = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    if stable_abi is not None:  # only torch's stable C shim and header-only parts: torch/csrc/stable, headeronly
+        defs.append(stable_define(stable_abi))
     if backend == "cpu":
         defs.append("-DCPU_KERNEL")
     cxx = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
@@ -382,7 +416,7 @@ def _esc(p: str | Path) -> str:
 
 def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path:
     gen = work / "gen"
-    flags = compile_flags(cfg, v.backend, tc, v.capabilities)
+    flags = compile_flags(cfg, v.backend, tc, v.capabilities, stable_abi=v.stable_abi)
 
     # TORCH_EXTENSION_NAME changes with every build's content hash, so only the binding files get it (a ninja
     # per-edge variable): a change elsewhere then recompiles the binding and relinks, not every kernel.
@@ -549,6 +583,7 @@ def abi_check(variant_dir: Path, strict: bool) -> None:
             raise BuildError(msg)
         print(f"[fused-mlp] {msg}")
         return
+    stable = variant_dir.name.startswith("torch-stable-abi")
     for so in variant_dir.glob("*.so"):
         problems = check_file(so)
         if problems:
@@ -557,7 +592,8 @@ def abi_check(variant_dir: Path, strict: bool) -> None:
                 raise BuildError(f"ABI check failed for {so.name}: {text}")
             print(f"[fused-mlp] ABI check problems in {so.name}: {text}")
         else:
-            print(f"[fused-mlp] ABI check passed: {so.name} (abi3 >= {PYTHON_ABI}, {MANYLINUX})")
+            print(f"[fused-mlp] ABI check passed: {so.name} (abi3 >= {PYTHON_ABI}, {MANYLINUX}"
+                  + (", torch stable ABI: no torch C++ symbols" if stable else "") + ")")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["auto", "all", "cpu", "cuda"], default="auto",
                     help="auto: cpu, plus cuda when torch is a CUDA build and nvcc exists (default); "
                          "all/cuda: fail if cuda cannot be built")
+    ap.add_argument("--abi", choices=["all", "torch", "stable"], default="all",
+                    help="torch: the per-torch variants (torch<XY>-cxx11-*); stable: the stable-ABI variants "
+                         "(torch-stable-abi<XY>-*, one binary for every torch >= the target); all: both (default)")
     ap.add_argument("--out", type=Path, default=ROOT / "build", help="output directory (default: build/)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
     ap.add_argument("--abi-check", action="store_true", help="fail if kernel-abi-check reports a problem")
@@ -578,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(args.out, ignore_errors=True)
         nvcc, cuda_home = find_cuda()
         tc = Toolchain(cxx=find_cxx(), nvcc=nvcc, cuda_home=cuda_home, ninja=find_ninja())
-        variants = plan_variants(cfg, args.backend, tc)
+        variants = plan_variants(cfg, args.backend, tc, args.abi)
         for v in variants:
             path = build_variant(cfg, v, tc, args.out, args.jobs, args.verbose)
             abi_check(path, args.abi_check)

@@ -82,6 +82,8 @@ class BuildConfig:
     kernels: list[Kernel]
     torch_include: list[Path] = field(default_factory=list)
     hub_branch: str | None = None
+    # backend -> the oldest torch ("2.10") its stable-ABI variant targets; empty: no stable-ABI variant
+    stable_abi: dict[str, str] = field(default_factory=dict)
 
     @property
     def python_name(self) -> str:
@@ -203,6 +205,8 @@ def load_build_config(path: Path) -> BuildConfig:
             for b in abi:
                 if b not in ALL_BACKENDS:
                     raise BuildConfigError(f"[torch.stable-abi]: unknown backend {b!r}")
+    stable_abi = ({} if abi is None else {str(b): str(v) for b, v in abi.items()} if isinstance(abi, dict)
+                  else {b: str(abi) for b in backends})
 
     kernels = []
     for kname, k in (data.get("kernel") or {}).items():
@@ -254,7 +258,7 @@ def load_build_config(path: Path) -> BuildConfig:
             raise BuildConfigError(f"[general] backends lists {b!r} but no [kernel.*] section has backend {b!r}")
     return BuildConfig(root=root, name=name, version=version, license=license_, backends=backends,
                        hub_repo_id=repo_id, python_depends=python_depends, torch_src=torch_src, kernels=kernels,
-                       torch_include=torch_include, hub_branch=hub_branch)
+                       torch_include=torch_include, hub_branch=hub_branch, stable_abi=stable_abi)
 
 
 def _cap_key(c: str) -> tuple[int, ...]:

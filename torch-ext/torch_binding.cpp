@@ -2,56 +2,109 @@
 // The namespace (TORCH_EXTENSION_NAME) is unique per build; Python reaches the ops only through the generated
 // `_ops.add_op_namespace_prefix`. Every variant registers the CPU implementation of every op (the `kernels`
 // loader picks the variant from the installed torch, not from the tensors' device); the CUDA variant adds
-// the CUDA implementation, and the dispatcher picks by tensor device.
-#include <torch/library.h>
-
-#include "registration.h"
+// the CUDA implementation, and the dispatcher picks by tensor device. The same schemas are registered through
+// the classic API (per-torch variants) or torch's stable ABI (torch-stable-abi variants; see torch_compat.h).
 #include "torch_binding.h"
 
+#if defined(FUSED_MLP_STABLE_ABI)
+#include <torch/csrc/stable/library.h>
+#else
+#include <torch/library.h>
+#endif
+
+#include "registration.h"
+
+#define FM_SCHEMAS(ops)                                                                                          \
+  ops.def(                                                                                                       \
+      "rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps, float offset, ScalarType out_dtype, " \
+      "ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)");                                                \
+  ops.def(                                                                                                       \
+      "rms_norm_bwd(Tensor dy, Tensor h, Tensor rstd, Tensor? weight, Tensor? dh_extra, float offset, "         \
+      "ScalarType dx_dtype, bool compute_dw) -> (Tensor, Tensor)");                                              \
+  /* addmm / linear. out_shape: the caller's [..., N] (SymInt[]: torch.compile keeps token counts symbolic) */    \
+  ops.def(                                                                                                       \
+      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact, SymInt[] out_shape) " \
+      "-> (Tensor, Tensor)");                                                                                    \
+  ops.def(                                                                                                       \
+      "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, int activation, bool need_dx, "           \
+      "bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype) -> (Tensor, Tensor, Tensor)");       \
+  /* Gated activations. activation: "gelu_tanh" | "gelu" | "silu". geglu_bwd_ mutates all three arguments      \
+     (h into dh, dgate into gate, dup into up); the alias annotations let torch.compile functionalize it. */    \
+  ops.def("geglu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");                                        \
+  ops.def("geglu_bwd(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");                   \
+  ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()")
+
+#if defined(FUSED_MLP_STABLE_ABI)
+
+STABLE_TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  FM_SCHEMAS(ops);
+  ops.def("_addmm_lt_force_fallback(int mode) -> int");  // test hook, no tensors
+}
+
+STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
+  ops.impl("rms_norm_fwd", TORCH_BOX(&rms_norm_fwd_cpu));
+  ops.impl("rms_norm_bwd", TORCH_BOX(&rms_norm_bwd_cpu));
+  ops.impl("addmm_fwd", TORCH_BOX(&addmm_fwd_cpu));
+  ops.impl("addmm_bwd", TORCH_BOX(&addmm_bwd_cpu));
+  ops.impl("geglu_fwd", TORCH_BOX(&geglu_fwd_cpu));
+  ops.impl("geglu_bwd", TORCH_BOX(&geglu_bwd_cpu));
+  ops.impl("geglu_bwd_", TORCH_BOX(&geglu_bwd_inplace_cpu));
+}
+
+#if defined(CUDA_KERNEL)
+STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
+  ops.impl("rms_norm_fwd", TORCH_BOX(&rms_norm_fwd_cuda));
+  ops.impl("rms_norm_bwd", TORCH_BOX(&rms_norm_bwd_cuda));
+  ops.impl("addmm_fwd", TORCH_BOX(&addmm_fwd_cuda));
+  ops.impl("addmm_bwd", TORCH_BOX(&addmm_bwd_cuda));
+  ops.impl("geglu_fwd", TORCH_BOX(&geglu_fwd_cuda));
+  ops.impl("geglu_bwd", TORCH_BOX(&geglu_bwd_cuda));
+  ops.impl("geglu_bwd_", TORCH_BOX(&geglu_bwd_inplace_cuda));
+}
+#endif
+
+// No tensor arguments: the composite key serves every call (there is no device to dispatch on).
+STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CompositeImplicitAutograd, ops) {
+  ops.impl("_addmm_lt_force_fallback", TORCH_BOX(&addmm_lt_force_fallback));
+}
+
+// fused_mlp::warn: a Python UserWarning through the limited C API (the stable ABI has no warning shim). Callers
+// may run on an autograd worker thread, so the GIL is taken for the call.
+void fused_mlp::warn(const std::string& message) {
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) != 0) {
+    PyErr_Clear();  // warnings turned into errors: the message was reported; the op itself goes on
+  }
+  PyGILState_Release(gil);
+}
+
+#else  // classic API
+
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
-  ops.def(
-      "rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps, float offset, ScalarType out_dtype, "
-      "ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)");
-  ops.def(
-      "rms_norm_bwd(Tensor dy, Tensor h, Tensor rstd, Tensor? weight, Tensor? dh_extra, float offset, "
-      "ScalarType dx_dtype, bool compute_dw) -> (Tensor, Tensor)");
+  FM_SCHEMAS(ops);
+  ops.def("_addmm_lt_force_fallback(int mode) -> int", &addmm_lt_force_fallback);  // test hook, no tensors
 
   ops.impl("rms_norm_fwd", c10::kCPU, &rms_norm_fwd_cpu);
   ops.impl("rms_norm_bwd", c10::kCPU, &rms_norm_bwd_cpu);
-#if defined(CUDA_KERNEL)
-  ops.impl("rms_norm_fwd", c10::kCUDA, &rms_norm_fwd_cuda);
-  ops.impl("rms_norm_bwd", c10::kCUDA, &rms_norm_bwd_cuda);
-#endif
-
-  // ---- addmm / linear ----
-  ops.def(
-      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact, SymInt[] out_shape) -> "
-      "(Tensor, Tensor)");
-  ops.def(
-      "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, int activation, bool need_dx, bool need_dw, "
-      "bool dw_transposed, bool need_db, ScalarType db_dtype) -> (Tensor, Tensor, Tensor)");
-  ops.def("_addmm_lt_force_fallback(int mode) -> int", &addmm_lt_force_fallback);  // test hook, no tensors
   ops.impl("addmm_fwd", c10::kCPU, &addmm_fwd_cpu);
   ops.impl("addmm_bwd", c10::kCPU, &addmm_bwd_cpu);
-#if defined(CUDA_KERNEL)
-  ops.impl("addmm_fwd", c10::kCUDA, &addmm_fwd_cuda);
-  ops.impl("addmm_bwd", c10::kCUDA, &addmm_bwd_cuda);
-#endif
-
-  // Gated activations. activation: "gelu_tanh" | "gelu" | "silu". geglu_bwd_ mutates all three arguments
-  // (h into dh, dgate into gate, dup into up); the alias annotations let torch.compile functionalize it.
-  ops.def("geglu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
-  ops.def("geglu_bwd(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");
-  ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");
   ops.impl("geglu_fwd", c10::kCPU, &geglu_fwd_cpu);
   ops.impl("geglu_bwd", c10::kCPU, &geglu_bwd_cpu);
   ops.impl("geglu_bwd_", c10::kCPU, &geglu_bwd_inplace_cpu);
 #if defined(CUDA_KERNEL)
+  ops.impl("rms_norm_fwd", c10::kCUDA, &rms_norm_fwd_cuda);
+  ops.impl("rms_norm_bwd", c10::kCUDA, &rms_norm_bwd_cuda);
+  ops.impl("addmm_fwd", c10::kCUDA, &addmm_fwd_cuda);
+  ops.impl("addmm_bwd", c10::kCUDA, &addmm_bwd_cuda);
   ops.impl("geglu_fwd", c10::kCUDA, &geglu_fwd_cuda);
   ops.impl("geglu_bwd", c10::kCUDA, &geglu_bwd_cuda);
   ops.impl("geglu_bwd_", c10::kCUDA, &geglu_bwd_inplace_cuda);
 #endif
 }
+
+void fused_mlp::warn(const std::string& message) { TORCH_WARN(message); }
+
+#endif
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
 

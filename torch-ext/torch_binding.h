@@ -3,33 +3,42 @@
 // layer reshapes and checks arguments before calling. Math is fp32; results are rounded once.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/core/ScalarType.h>
-#include <c10/core/SymIntArrayRef.h>
-
 #include <optional>
-#include <vector>
 #include <tuple>
+#include <vector>
+
+#include "torch_compat.h"
+
+// The entry points are spelled with fused_mlp's names (torch_compat.h): one source, two builds (the classic
+// per-torch API and torch's stable ABI).
+using fused_mlp::kBFloat16;
+using fused_mlp::kDouble;
+using fused_mlp::kFloat;
+using fused_mlp::kHalf;
+using fused_mlp::ScalarType;
+using fused_mlp::ShapeArg;
+using fused_mlp::StrArg;
+using fused_mlp::Tensor;
 
 // ---- RMSNorm -------------------------------------------------------------------------------------------
 // fwd: h = x (+ residual, rounded to residual_dtype); y = h * rstd * (offset + weight), rstd = rsqrt(mean(h^2)+eps)
 // returns (y [M,N] out_dtype, h [M,N] residual_dtype or [0] without residual, rstd [M] fp32)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
-    double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype);
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
+    const Tensor& x, const std::optional<Tensor>& residual, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype);
 // bwd: dx = rstd * (g - xhat * mean(g * xhat)) + dh_extra, g = dy * (offset + w), xhat = h * rstd;
 // dw = sum_rows(dy * xhat). returns (dx [M,N] dx_dtype, dw [N] weight dtype or [0] when not computed)
-std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
-    const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw);
+std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
+    const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw);
 
 #if defined(CUDA_KERNEL)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
-    double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype);
-std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
-    const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw);
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
+    const Tensor& x, const std::optional<Tensor>& residual, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype);
+std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
+    const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw);
 #endif
 
 // ---- addmm / linear ------------------------------------------------------------------------------------------
@@ -38,32 +47,31 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
 // activation: 0 none, 1 gelu_tanh, 2 gelu (erf). returns (y allocated as out_shape = [..., N] with M*N elements (the
 // caller's final shape, so autograd never sees a view of the op's output), preact Z = mat1 @ mat2 + bias [M, N] in
 // the mat dtype when save_preact and activation != 0, else [0]).
-std::tuple<at::Tensor, at::Tensor> addmm_fwd_cpu(const std::optional<at::Tensor>& bias, const at::Tensor& mat1,
-                                                 const at::Tensor& mat2, int64_t activation, bool save_preact,
-                                                 c10::SymIntArrayRef out_shape);
+std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, const Tensor& mat1,
+                                                 const Tensor& mat2, int64_t activation, bool save_preact,
+                                                 ShapeArg out_shape);
 // bwd: dZ = dy * act'(Z); dx = dZ @ mat2^T [M, K]; dw = mat1^T @ dZ as [K, N], or as [N, K] when dw_transposed;
 // db = sum over rows of dZ (fp32 sums) in db_dtype. Unrequested outputs are [0]. dy: mat dtype or fp32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cpu(
-    const at::Tensor& dy, const std::optional<at::Tensor>& preact, const at::Tensor& mat1, const at::Tensor& mat2,
-    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, at::ScalarType db_dtype);
+std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cpu(
+    const Tensor& dy, const std::optional<Tensor>& preact, const Tensor& mat1, const Tensor& mat2,
+    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
 // Test hook: 0 normal, 1 = treat cuBLASLt's fused epilogues as unavailable, 2 = treat cuBLASLt as unavailable.
 // Returns the previous mode and re-arms the warn-once messages. No effect on CPU tensors.
 int64_t addmm_lt_force_fallback(int64_t mode);
-std::vector<int64_t> check_out_shape(c10::SymIntArrayRef out_shape, int64_t M, int64_t N);
+std::vector<int64_t> check_out_shape(ShapeArg out_shape, int64_t M, int64_t N);
 int addmm_lt_fallback_mode();
 bool addmm_lt_first_warning(int which);  // true the first time per slot (0: fused epilogue, 1: cuBLASLt)
 
 #if defined(CUDA_KERNEL)
-std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor>& bias, const at::Tensor& mat1,
-                                                  const at::Tensor& mat2, int64_t activation, bool save_preact,
-                                                  c10::SymIntArrayRef out_shape);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
-    const at::Tensor& dy, const std::optional<at::Tensor>& preact, const at::Tensor& mat1, const at::Tensor& mat2,
-    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, at::ScalarType db_dtype);
+std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias, const Tensor& mat1,
+                                                  const Tensor& mat2, int64_t activation, bool save_preact,
+                                                  ShapeArg out_shape);
+std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
+    const Tensor& dy, const std::optional<Tensor>& preact, const Tensor& mat1, const Tensor& mat2,
+    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
 #endif
 
 // ---- Gated activations (GeGLU / SwiGLU) ------------------------------------------------------------------
-#include <c10/util/string_view.h>
 
 // activation: "gelu_tanh" | "gelu" (erf) | "silu". gate, up, dh: [T, I], unit stride along I, any row stride.
 // fwd: h = act(gate) * up -> [T, I] contiguous, gate's dtype (gate and up share one dtype).
@@ -71,16 +79,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
 //      dh is float32 or gate's dtype. The activation is recomputed from gate, never stored.
 // bwd_ (in place, for the fused MLP whose gate/up are its own intermediates): writes h = act(gate) * up into
 //      dh's buffer, dgate into gate's buffer and dup into up's buffer (each element is read before it is written).
-at::Tensor geglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation);
-std::tuple<at::Tensor, at::Tensor> geglu_bwd_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                                                 c10::string_view activation);
-void geglu_bwd_inplace_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                           c10::string_view activation);
+Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation);
+std::tuple<Tensor, Tensor> geglu_bwd_cpu(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                                                 StrArg activation);
+void geglu_bwd_inplace_cpu(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                           StrArg activation);
 
 #if defined(CUDA_KERNEL)
-at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation);
-std::tuple<at::Tensor, at::Tensor> geglu_bwd_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                                                  c10::string_view activation);
-void geglu_bwd_inplace_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                            c10::string_view activation);
+Tensor geglu_fwd_cuda(const Tensor& gate, const Tensor& up, StrArg activation);
+std::tuple<Tensor, Tensor> geglu_bwd_cuda(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                                                  StrArg activation);
+void geglu_bwd_inplace_cuda(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                            StrArg activation);
 #endif

@@ -3,11 +3,10 @@
 // loops are plain and unit-stride so the compiler vectorises them.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <cstdint>
+#include <string>
+
+#include "torch_compat.h"
 
 namespace fused_mlp::cpu {
 
@@ -22,42 +21,44 @@ inline void store_from_f32(const float* __restrict src, T* __restrict dst, int64
 }
 
 // Row access by runtime dtype (one switch per row, not per element).
-inline void load_row(const void* src, at::ScalarType t, float* dst, int64_t n) {
+inline void load_row(const void* src, ScalarType t, float* dst, int64_t n) {
   switch (t) {
-    case at::kFloat: load_f32(static_cast<const float*>(src), dst, n); break;
-    case at::kHalf: load_f32(static_cast<const c10::Half*>(src), dst, n); break;
-    case at::kBFloat16: load_f32(static_cast<const c10::BFloat16*>(src), dst, n); break;
-    default: TORCH_CHECK(false, "fused_mlp: unsupported dtype ", t);
+    case kFloat: load_f32(static_cast<const float*>(src), dst, n); break;
+    case kHalf: load_f32(static_cast<const Half*>(src), dst, n); break;
+    case kBFloat16: load_f32(static_cast<const BFloat16*>(src), dst, n); break;
+    default: FM_CHECK(false, "fused_mlp: unsupported dtype ", t);
   }
 }
 
-inline void store_row(const float* src, at::ScalarType t, void* dst, int64_t n) {
+inline void store_row(const float* src, ScalarType t, void* dst, int64_t n) {
   switch (t) {
-    case at::kFloat: store_from_f32(src, static_cast<float*>(dst), n); break;
-    case at::kHalf: store_from_f32(src, static_cast<c10::Half*>(dst), n); break;
-    case at::kBFloat16: store_from_f32(src, static_cast<c10::BFloat16*>(dst), n); break;
-    default: TORCH_CHECK(false, "fused_mlp: unsupported dtype ", t);
+    case kFloat: store_from_f32(src, static_cast<float*>(dst), n); break;
+    case kHalf: store_from_f32(src, static_cast<Half*>(dst), n); break;
+    case kBFloat16: store_from_f32(src, static_cast<BFloat16*>(dst), n); break;
+    default: FM_CHECK(false, "fused_mlp: unsupported dtype ", t);
   }
 }
 
-inline const char* row_ptr(const at::Tensor& t, int64_t row) {
+inline const char* row_ptr(const Tensor& t, int64_t row) {
   return static_cast<const char*>(t.const_data_ptr()) + row * t.stride(0) * t.element_size();
 }
 
-inline char* row_ptr_mut(const at::Tensor& t, int64_t row) {
+inline char* row_ptr_mut(const Tensor& t, int64_t row) {
   return static_cast<char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
 }
 
-inline bool is_float_type(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+using fused_mlp::shape_str;  // "[2, 3]" in error messages (torch_compat.h)
+
+inline bool is_float_type(ScalarType t) {
+  return t == kFloat || t == kHalf || t == kBFloat16;
 }
 
 // 2-D, unit stride along the last dim, floating dtype. Python checks first; this keeps the C++ entry safe.
-inline void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must have unit stride along hidden");
-  TORCH_CHECK(is_float_type(t.scalar_type()), "fused_mlp: ", name, " must be float32/float16/bfloat16, got ",
-              t.scalar_type());
+inline void check_rows(const Tensor& t, const char* name) {
+  FM_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
+  FM_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must have unit stride along hidden");
+  FM_CHECK(is_float_type(t.scalar_type()), "fused_mlp: ", name, " must be float32/float16/bfloat16, got ",
+           t.scalar_type());
 }
 
 }  // namespace fused_mlp::cpu

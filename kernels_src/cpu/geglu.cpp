@@ -15,17 +15,13 @@
 //                       cancellation), and phi(x) = exp(-z^2)/sqrt(2 pi) reuses the same exp.
 //   SiLU                silu(x) = x * sigmoid(x), silu'(x) = sigmoid(x) + x * sigmoid'(x).
 // Each loop is compiled twice: baseline x86-64 (SSE2) and AVX2+FMA, picked once at run time.
-#include <ATen/Parallel.h>
-#include <ATen/MemoryOverlap.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "cpu/cpu_common.h"
 #include "torch_binding.h"
@@ -39,7 +35,7 @@ Act parse_activation(std::string_view s) {
   if (s == "gelu_tanh") return Act::kGeluTanh;
   if (s == "gelu") return Act::kGeluErf;
   if (s == "silu") return Act::kSilu;
-  TORCH_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(s), "'");
+  FM_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(s), "'");
 }
 
 #define FM_INLINE inline __attribute__((always_inline))
@@ -53,10 +49,10 @@ FM_INLINE float madd(float a, float b, float c) {
 
 // ---- storage <-> fp32 (bit operations, so the loops vectorise) ------------------------------------------
 FM_INLINE float load(float v) { return v; }
-FM_INLINE float load(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
-// Half: bit operations as well (c10::Half's converters branch, which stops vectorisation). The exponent is
+FM_INLINE float load(BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+// Half: bit operations as well (Half's float converters branch, which stops vectorisation). The exponent is
 // re-biased by one exact multiply (normals and subnormals alike); Inf/NaN keep their payload.
-FM_INLINE float load(c10::Half v) {
+FM_INLINE float load(Half v) {
   const uint32_t em = static_cast<uint32_t>(v.x) & 0x7FFFu;
   const uint32_t sign = (static_cast<uint32_t>(v.x) & 0x8000u) << 16;
   const uint32_t finite = std::bit_cast<uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
@@ -66,7 +62,7 @@ FM_INLINE float load(c10::Half v) {
 }
 
 FM_INLINE void store(float* p, float v) { *p = v; }
-FM_INLINE void store(c10::BFloat16* p, float v) {
+FM_INLINE void store(BFloat16* p, float v) {
   const uint32_t u = std::bit_cast<uint32_t>(v);
   const uint32_t rne = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
   const uint32_t nan_mask = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
@@ -75,7 +71,7 @@ FM_INLINE void store(c10::BFloat16* p, float v) {
 // float -> half, round to nearest even: normals by re-biasing the exponent and rounding the dropped 13 bits;
 // results below 2^-14 by adding 0.5f, which aligns the value to the half subnormal grid (ulp 2^-24) with the
 // hardware's RNE; overflow saturates to Inf; NaN becomes a quiet NaN.
-FM_INLINE void store(c10::Half* p, float v) {
+FM_INLINE void store(Half* p, float v) {
   const uint32_t u = std::bit_cast<uint32_t>(v);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -314,7 +310,7 @@ void for_each_span(int64_t rows, int64_t cols, F&& f) {
   const int64_t blocks_per_row = (cols + kColBlock - 1) / kColBlock;
   const int64_t span = std::min(cols, kColBlock);
   const int64_t grain = std::max<int64_t>(1, kGrainElems / span);
-  at::parallel_for(0, rows * blocks_per_row, grain, [&](int64_t begin, int64_t end) {
+  fused_mlp::parallel_for(0, rows * blocks_per_row, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / blocks_per_row;
       const int64_t c0 = (task - r * blocks_per_row) * kColBlock;
@@ -325,14 +321,22 @@ void for_each_span(int64_t rows, int64_t cols, F&& f) {
 
 // Row view of a tensor the ops accept: 2-D [rows, cols] with unit stride along cols and any row stride, or a
 // contiguous tensor of any rank (rows = all leading dims; geglu_fwd only: the inference path skips reshapes).
-int64_t n_cols(const at::Tensor& t) { return t.dim() == 0 ? 1 : t.size(-1); }
-int64_t n_rows(const at::Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
-int64_t row_stride(const at::Tensor& t) { return t.dim() == 2 ? t.stride(0) : n_cols(t); }
+int64_t n_cols(const Tensor& t) { return t.dim() == 0 ? 1 : t.size(t.dim() - 1); }
+int64_t n_rows(const Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
+int64_t row_stride(const Tensor& t) { return t.dim() == 2 ? t.stride(0) : n_cols(t); }
 
-template <typename T>
-T* elem_ptr(const at::Tensor& t, int64_t r, int64_t c) {
-  return static_cast<T*>(t.data_ptr()) + r * row_stride(t) + c;
-}
+// A tensor's data pointer and row stride, read once before the parallel loops (in the stable-ABI build every
+// Tensor accessor is a call through torch's C shim).
+struct RowsView {
+  void* base;
+  int64_t stride;
+  template <typename T>
+  T* elem(int64_t r, int64_t c) const {
+    return static_cast<T*>(base) + r * stride + c;
+  }
+};
+
+RowsView rows_view(const Tensor& t) { return {t.data_ptr(), row_stride(t)}; }
 
 template <typename F>
 void dispatch_act(Act a, F&& f) {
@@ -344,53 +348,60 @@ void dispatch_act(Act a, F&& f) {
 }
 
 template <typename F>
-void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {
+void dispatch_dtype(ScalarType t, const char* what, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "fused_mlp: ", what, " must be float32/float16/bfloat16, got ", t);
+    case kFloat: f(float{}); break;
+    case kHalf: f(Half{}); break;
+    case kBFloat16: f(BFloat16{}); break;
+    default: FM_CHECK(false, "fused_mlp: ", what, " must be float32/float16/bfloat16, got ", t);
   }
 }
 
 // 2-D, float, unit stride along I (any strides for an empty tensor: nothing is addressed); with allow_nd, a
 // contiguous tensor of another rank is accepted as well.
-void check_rows_any(const at::Tensor& t, const char* name, bool allow_nd = false) {
-  TORCH_CHECK(is_float_type(t.scalar_type()), "fused_mlp: ", name, " must be float32/float16/bfloat16, got ",
-              t.scalar_type());
+void check_rows_any(const Tensor& t, const char* name, bool allow_nd = false) {
+  FM_CHECK(is_float_type(t.scalar_type()), "fused_mlp: ", name, " must be float32/float16/bfloat16, got ",
+           t.scalar_type());
   if (allow_nd && t.dim() != 2) {
-    TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
+    FM_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
     return;
   }
   if (t.numel() == 0) {
-    TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
+    FM_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
     return;
   }
   check_rows(t, name);
 }
 
-void check_pair(const at::Tensor& gate, const at::Tensor& up, bool allow_nd = false) {
+void check_pair(const Tensor& gate, const Tensor& up, bool allow_nd = false) {
   check_rows_any(gate, "gate", allow_nd);
   check_rows_any(up, "up", allow_nd);
-  TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
-              " != up dtype ", up.scalar_type());
-  TORCH_CHECK(gate.device() == up.device(), "fused_mlp: gate and up must be on one device");
+  FM_CHECK(sizes_of(gate) == sizes_of(up), "fused_mlp: gate shape ", shape_str(gate), " != up shape ",
+           shape_str(up));
+  FM_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(), " != up dtype ",
+           up.scalar_type());
+  FM_CHECK(gate.device() == up.device(), "fused_mlp: gate and up must be on one device");
 }
 
-void check_dh(const at::Tensor& dh, const at::Tensor& gate) {
+void check_dh(const Tensor& dh, const Tensor& gate) {
   check_rows_any(dh, "dh");
-  TORCH_CHECK(dh.sizes() == gate.sizes(), "fused_mlp: dh shape ", dh.sizes(), " != gate shape ", gate.sizes());
-  TORCH_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == at::kFloat,
-              "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());
-  TORCH_CHECK(dh.device() == gate.device(), "fused_mlp: dh and gate must be on one device");
+  FM_CHECK(sizes_of(dh) == sizes_of(gate), "fused_mlp: dh shape ", shape_str(dh), " != gate shape ",
+           shape_str(gate));
+  FM_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == kFloat,
+           "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());
+  FM_CHECK(dh.device() == gate.device(), "fused_mlp: dh and gate must be on one device");
 }
 
+// h_out is read only when kWriteH.
 template <bool kWriteH>
-void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& h_out,
-             const at::Tensor& dgate, const at::Tensor& dup) {
+void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, const Tensor& h_out,
+             const Tensor& dgate, const Tensor& dup) {
   const int64_t rows = gate.size(0), cols = gate.size(1);
+  if (rows == 0 || cols == 0) return;  // nothing to do (for_each_span's own early exit; dtypes are checked)
   const bool avx2 = cpu_has_avx2_fma();
+  const RowsView dh_v = rows_view(dh), gate_v = rows_view(gate), up_v = rows_view(up);
+  const RowsView h_v = kWriteH ? rows_view(h_out) : RowsView{nullptr, 0};
+  const RowsView dgate_v = rows_view(dgate), dup_v = rows_view(dup);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_dtype(gate.scalar_type(), "gate", [&](auto tt) {
@@ -398,17 +409,17 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
       auto run = [&](auto dt) {
         using TD = decltype(dt);
         for_each_span(rows, cols, [&](int64_t r, int64_t c0, int64_t n) {
-          const TD* d = elem_ptr<TD>(dh, r, c0);
-          const T* g = elem_ptr<T>(gate, r, c0);
-          const T* u = elem_ptr<T>(up, r, c0);
-          TD* h = kWriteH ? elem_ptr<TD>(h_out, r, c0) : nullptr;
-          T* dg = elem_ptr<T>(dgate, r, c0);
-          T* du = elem_ptr<T>(dup, r, c0);
+          const TD* d = dh_v.elem<TD>(r, c0);
+          const T* g = gate_v.elem<T>(r, c0);
+          const T* u = up_v.elem<T>(r, c0);
+          TD* h = kWriteH ? h_v.elem<TD>(r, c0) : nullptr;
+          T* dg = dgate_v.elem<T>(r, c0);
+          T* du = dup_v.elem<T>(r, c0);
           if (avx2) bwd_span_avx2<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
           else bwd_span_base<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
         });
       };
-      if (dh.scalar_type() == at::kFloat) run(float{});
+      if (dh.scalar_type() == kFloat) run(float{});
       else run(T{});
     });
   });
@@ -419,20 +430,22 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
 
 using namespace fused_mlp::cpu;
 
-at::Tensor geglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation) {
   const Act act = parse_activation(std::string_view(activation.data(), activation.size()));
   check_pair(gate, up, /*allow_nd=*/true);
   const int64_t rows = n_rows(gate), cols = n_cols(gate);
-  auto out = at::empty(gate.sizes(), gate.options());
+  Tensor out = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
+  if (rows == 0 || cols == 0) return out;  // nothing to do (for_each_span's own early exit; dtypes are checked)
   const bool avx2 = cpu_has_avx2_fma();
+  const RowsView gate_v = rows_view(gate), up_v = rows_view(up), out_v = rows_view(out);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_dtype(gate.scalar_type(), "gate", [&](auto tt) {
       using T = decltype(tt);
       for_each_span(rows, cols, [&](int64_t r, int64_t c0, int64_t n) {
-        const T* g = elem_ptr<T>(gate, r, c0);
-        const T* u = elem_ptr<T>(up, r, c0);
-        T* o = elem_ptr<T>(out, r, c0);
+        const T* g = gate_v.elem<T>(r, c0);
+        const T* u = up_v.elem<T>(r, c0);
+        T* o = out_v.elem<T>(r, c0);
         if (avx2) fwd_span_avx2<A, T>(g, u, o, n);
         else fwd_span_base<A, T>(g, u, o, n);
       });
@@ -441,27 +454,29 @@ at::Tensor geglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, c10::stri
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> geglu_bwd_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                                                 c10::string_view activation) {
+std::tuple<Tensor, Tensor> geglu_bwd_cpu(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                                         StrArg activation) {
   const Act act = parse_activation(std::string_view(activation.data(), activation.size()));
   check_pair(gate, up);
   check_dh(dh, gate);
-  auto dgate = at::empty(gate.sizes(), gate.options());
-  auto dup = at::empty(gate.sizes(), gate.options());
-  run_bwd<false>(act, dh, gate, up, at::Tensor(), dgate, dup);
+  const fused_mlp::Sizes sizes = fused_mlp::sizes_of(gate);
+  Tensor dgate = fused_mlp::empty(sizes, gate.scalar_type(), gate);
+  Tensor dup = fused_mlp::empty(sizes, gate.scalar_type(), gate);
+  run_bwd<false>(act, dh, gate, up, /*h_out (unused)=*/dh, dgate, dup);
   return {dgate, dup};
 }
 
-void geglu_bwd_inplace_cpu(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                           c10::string_view activation) {
+void geglu_bwd_inplace_cpu(const Tensor& dh, const Tensor& gate, const Tensor& up, StrArg activation) {
   const Act act = parse_activation(std::string_view(activation.data(), activation.size()));
   check_pair(gate, up);
   check_dh(dh, gate);
   // Each element is read, then its three results are written by the same thread: safe only when no two
   // elements share memory (no expanded/overlapping views) and the three buffers are disjoint.
-  for (const at::Tensor* t : {&dh, &gate, &up}) at::assert_no_internal_overlap(*t);
-  at::assert_no_overlap(dh, gate);
-  at::assert_no_overlap(dh, up);
-  at::assert_no_overlap(gate, up);
+  fused_mlp::check_no_internal_overlap(dh, "geglu_bwd_inplace: dh");
+  fused_mlp::check_no_internal_overlap(gate, "geglu_bwd_inplace: gate");
+  fused_mlp::check_no_internal_overlap(up, "geglu_bwd_inplace: up");
+  fused_mlp::check_no_overlap(dh, gate, "geglu_bwd_inplace: dh and gate");
+  fused_mlp::check_no_overlap(dh, up, "geglu_bwd_inplace: dh and up");
+  fused_mlp::check_no_overlap(gate, up, "geglu_bwd_inplace: gate and up");
   run_bwd<true>(act, dh, gate, up, dh, gate, up);
 }

@@ -4,7 +4,7 @@
 //
 // The row kernels (rms_norm_rows.h) are compiled twice — AVX2+FMA+F16C and baseline x86-64 — and picked once
 // at run time from the CPU's features (GCC function multi-versioning done by hand, so the half conversions can
-// use F16C in the fast copy without lifting the module's baseline ISA). Rows are spread over ATen's thread
+// use F16C in the fast copy without lifting the module's baseline ISA). Rows are spread over torch's thread
 // pool. dW: a fixed number of row chunks (independent of the thread count), one fp32 partial row each, summed
 // in a fixed order -> bitwise reproducible.
 //
@@ -15,12 +15,6 @@
 //   M=256, N=4096  bf16: fwd 0.22 vs 0.93 ms (4.2x), bwd 0.85 vs 2.7 ms (3.2x); fp32: 3.3x, 2.3x.
 // The F16C copy matters: without it (generic code, even auto-vectorised) bf16 bwd was 4.5x and fp16 fwd 25x
 // slower at M=256, N=4096.
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -69,17 +63,17 @@ bool use_avx2() {
 
 // Tag dispatch over the three float dtypes.
 template <typename F>
-void dispatch_cpu(at::ScalarType t, const char* what, F&& f) {
+void dispatch_cpu(ScalarType t, const char* what, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "fused_mlp: ", what, " has unsupported dtype ", t);
+    case kFloat: f(float{}); break;
+    case kHalf: f(Half{}); break;
+    case kBFloat16: f(BFloat16{}); break;
+    default: FM_CHECK(false, "fused_mlp: ", what, " has unsupported dtype ", t);
   }
 }
 
 // (offset + w) in fp32, or empty when there is no weight.
-std::vector<float> scale_row(const std::optional<at::Tensor>& weight, double offset, int64_t n) {
+std::vector<float> scale_row(const std::optional<Tensor>& weight, double offset, int64_t n) {
   std::vector<float> w;
   if (weight.has_value()) {
     w.resize(n);
@@ -90,23 +84,27 @@ std::vector<float> scale_row(const std::optional<at::Tensor>& weight, double off
   return w;
 }
 
+// The rows of a [M, N] tensor (unit stride along N): its data pointer and row stride, read once before the
+// parallel loops (in the stable-ABI build every Tensor accessor is a call through torch's C shim).
 template <typename T>
-const T* row_of(const at::Tensor& t, int64_t r) {
-  return static_cast<const T*>(t.const_data_ptr()) + r * t.stride(0);
-}
+struct RowsOf {
+  T* base;
+  int64_t stride;
+  T* operator()(int64_t r) const { return base + r * stride; }
+};
 
 template <typename T>
-T* row_of_mut(const at::Tensor& t, int64_t r) {
-  return static_cast<T*>(t.data_ptr()) + r * t.stride(0);
+RowsOf<const T> rows_of(const Tensor& t) {
+  return {static_cast<const T*>(t.const_data_ptr()), t.stride(0)};
 }
 
 // [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
 // tensors here, so this never copies in practice).
-at::Tensor as_rows_view(const at::Tensor& t) {
+Tensor as_rows_view(const Tensor& t) {
   if (t.dim() == 2) return t;
   int64_t m = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
-  return t.reshape({m, t.size(-1)});
+  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
 }
 
 // Rows per parallel task: ~32K elements of work per task keeps the pool busy without per-row overhead.
@@ -119,54 +117,61 @@ constexpr int64_t kMaxDwChunks = 64;
 }  // namespace fused_mlp::cpu
 
 using namespace fused_mlp::cpu;
+using fused_mlp::kFloat;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
-    double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype) {
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
+    const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
   // [..., N] inputs are viewed as [M, N] rows here (a C++ view is far cheaper than a Python reshape); outputs
   // take x's shape.
-  TORCH_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
-  const at::Tensor x = as_rows_view(x_in);
-  const std::optional<at::Tensor> residual =
-      residual_in.has_value() ? std::optional<at::Tensor>(as_rows_view(*residual_in)) : std::nullopt;
+  FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
+  const Tensor x = as_rows_view(x_in);
+  const std::optional<Tensor> residual =
+      residual_in.has_value() ? std::optional<Tensor>(as_rows_view(*residual_in)) : std::nullopt;
   check_rows(x, "x");
   const int64_t M = x.size(0), N = x.size(1);
-  const at::ScalarType xt = x.scalar_type();
-  const at::ScalarType h_dtype = residual_dtype.value_or(xt);
-  TORCH_CHECK(h_dtype == xt || h_dtype == at::kFloat, "fused_mlp: residual_dtype must be x's dtype or float32");
-  TORCH_CHECK(out_dtype == xt || out_dtype == at::kFloat, "fused_mlp: out_dtype must be x's dtype or float32");
+  const ScalarType xt = x.scalar_type();
+  const ScalarType h_dtype = residual_dtype.value_or(xt);
+  FM_CHECK(h_dtype == xt || h_dtype == kFloat, "fused_mlp: residual_dtype must be x's dtype or float32");
+  FM_CHECK(out_dtype == xt || out_dtype == kFloat, "fused_mlp: out_dtype must be x's dtype or float32");
   if (residual.has_value()) {
     check_rows(*residual, "residual");
-    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "fused_mlp: residual shape ", residual_in->sizes(),
-                " != x shape ", x_in.sizes());
-    TORCH_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype must equal residual_dtype");
+    FM_CHECK(fused_mlp::sizes_of(*residual_in) == fused_mlp::sizes_of(x_in), "fused_mlp: residual shape ",
+             shape_str(*residual_in), " != x shape ", shape_str(x_in));
+    FM_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype must equal residual_dtype");
   }
-  if (weight.has_value())
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be contiguous [", N, "]");
-  auto y = at::empty(x_in.sizes(), x.options().dtype(out_dtype));
-  auto h = residual.has_value() ? at::empty(x_in.sizes(), x.options().dtype(h_dtype)) : at::empty({0}, x.options());
-  auto rstd = at::empty({M}, x.options().dtype(at::kFloat));
+  if (weight.has_value()) {
+    FM_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+             "fused_mlp: weight must be contiguous [", N, "]");
+  }
+  const fused_mlp::Sizes out_sizes = fused_mlp::sizes_of(x_in);
+  Tensor y = fused_mlp::empty(out_sizes, out_dtype, x);
+  Tensor h = residual.has_value() ? fused_mlp::empty(out_sizes, h_dtype, x) : fused_mlp::empty({0}, xt, x);
+  Tensor rstd = fused_mlp::empty({M}, kFloat, x);
   if (M == 0) return {y, h, rstd};
 
   const std::vector<float> w = scale_row(weight, offset, N);
   const float* s = w.empty() ? nullptr : w.data();
   const float feps = static_cast<float>(eps);
-  float* rstd_p = rstd.data_ptr<float>();
+  float* rstd_p = static_cast<float*>(rstd.data_ptr());
   const bool has_res = residual.has_value();
   const bool avx2 = use_avx2();
+  void* const y_p = y.data_ptr();
+  void* const h_p = has_res ? h.data_ptr() : nullptr;
 
   dispatch_cpu(xt, "x", [&](auto xtag) {
     using TX = decltype(xtag);
     auto go = [&](auto htag, auto otag) {
       using TH = decltype(htag);
       using TO = decltype(otag);
-      at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+      const RowsOf<const TX> x_rows = rows_of<TX>(x);
+      const RowsOf<const TH> res_rows = has_res ? rows_of<TH>(*residual) : RowsOf<const TH>{nullptr, 0};
+      fused_mlp::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const TX* xr = row_of<TX>(x, r);
-          const TH* rr = has_res ? row_of<TH>(*residual, r) : nullptr;
-          TH* hr = has_res ? static_cast<TH*>(h.data_ptr()) + r * N : nullptr;
-          TO* yr = static_cast<TO*>(y.data_ptr()) + r * N;
+          const TX* xr = x_rows(r);
+          const TH* rr = has_res ? res_rows(r) : nullptr;
+          TH* hr = has_res ? static_cast<TH*>(h_p) + r * N : nullptr;
+          TO* yr = static_cast<TO*>(y_p) + r * N;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
           if (avx2) {
             rstd_p[r] = avx2::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
@@ -178,13 +183,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
       });
     };
     auto with_out = [&](auto htag) {
-      if (out_dtype == at::kFloat) {
+      if (out_dtype == kFloat) {
         go(htag, float{});
       } else {
         go(htag, TX{});
       }
     };
-    if (has_res && h_dtype == at::kFloat) {
+    if (has_res && h_dtype == kFloat) {
       with_out(float{});
     } else {
       with_out(TX{});
@@ -193,35 +198,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(
   return {y, h, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
-    const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw) {
+std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
+    const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw) {
   check_rows(dy, "dy");
   check_rows(h, "h");
   const int64_t M = h.size(0), N = h.size(1);
-  TORCH_CHECK(dy.sizes() == h.sizes(), "fused_mlp: dy shape ", dy.sizes(), " != h shape ", h.sizes());
-  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == M && rstd.scalar_type() == at::kFloat && rstd.is_contiguous(),
-              "fused_mlp: rstd must be contiguous float32 [", M, "]");
-  TORCH_CHECK(is_float_type(dx_dtype), "fused_mlp: dx dtype must be float32/float16/bfloat16, got ", dx_dtype);
+  FM_CHECK(fused_mlp::sizes_of(dy) == fused_mlp::sizes_of(h), "fused_mlp: dy shape ", shape_str(dy),
+           " != h shape ", shape_str(h));
+  FM_CHECK(rstd.dim() == 1 && rstd.size(0) == M && rstd.scalar_type() == kFloat && rstd.is_contiguous(),
+           "fused_mlp: rstd must be contiguous float32 [", M, "]");
+  FM_CHECK(is_float_type(dx_dtype), "fused_mlp: dx dtype must be float32/float16/bfloat16, got ", dx_dtype);
   if (dh_extra.has_value()) {
     check_rows(*dh_extra, "dh_extra");
-    TORCH_CHECK(dh_extra->sizes() == h.sizes(), "fused_mlp: dh_extra shape ", dh_extra->sizes(), " != ",
-                h.sizes());
+    FM_CHECK(fused_mlp::sizes_of(*dh_extra) == fused_mlp::sizes_of(h), "fused_mlp: dh_extra shape ",
+             shape_str(*dh_extra), " != ", shape_str(h));
   }
-  if (weight.has_value())
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be contiguous [", N, "]");
+  if (weight.has_value()) {
+    FM_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+             "fused_mlp: weight must be contiguous [", N, "]");
+  }
   const bool want_dw = compute_dw && weight.has_value();
-  auto dx = at::empty({M, N}, h.options().dtype(dx_dtype));
-  at::Tensor dw = want_dw ? at::empty({N}, weight->options()) : at::empty({0}, h.options());
+  Tensor dx = fused_mlp::empty({M, N}, dx_dtype, h);
+  Tensor dw = want_dw ? fused_mlp::empty({N}, weight->scalar_type(), *weight)
+                      : fused_mlp::empty({0}, h.scalar_type(), h);
   if (M == 0 || N == 0) {
-    if (want_dw) dw.zero_();
+    if (want_dw) fused_mlp::zero_(dw);
     return {dx, dw};
   }
 
   const std::vector<float> w = scale_row(weight, offset, N);
   const float* s = w.empty() ? nullptr : w.data();
-  const float* rstd_p = rstd.const_data_ptr<float>();
+  const float* rstd_p = static_cast<const float*>(rstd.const_data_ptr());
   const bool has_extra = dh_extra.has_value();
   const bool avx2 = use_avx2();
   // Fixed chunking (independent of the thread count) keeps dW bitwise reproducible.
@@ -230,19 +238,21 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
   std::vector<float> partial(want_dw ? chunks * N : 0, 0.f);
 
   // Every tensor is float32 or one common 16-bit "base" dtype (the same rule as the CUDA kernels).
-  at::ScalarType base_t = at::kFloat;
-  for (at::ScalarType t : {dx_dtype, h.scalar_type(), dy.scalar_type(),
-                           has_extra ? dh_extra->scalar_type() : at::kFloat})
-    if (t != at::kFloat) base_t = t;
-  for (at::ScalarType t : {dx_dtype, h.scalar_type(), dy.scalar_type(),
-                           has_extra ? dh_extra->scalar_type() : at::kFloat})
-    TORCH_CHECK(t == at::kFloat || t == base_t, "fused_mlp: rms_norm_bwd mixes 16-bit dtypes (", t, " and ",
-                base_t, "); each of dx, h, dy, dh_extra must be float32 or one common 16-bit dtype");
+  const ScalarType dtypes[] = {dx_dtype, h.scalar_type(), dy.scalar_type(),
+                               has_extra ? dh_extra->scalar_type() : kFloat};
+  ScalarType base_t = kFloat;
+  for (ScalarType t : dtypes)
+    if (t != kFloat) base_t = t;
+  for (ScalarType t : dtypes) {
+    FM_CHECK(t == kFloat || t == base_t, "fused_mlp: rms_norm_bwd mixes 16-bit dtypes (", t, " and ", base_t,
+             "); each of dx, h, dy, dh_extra must be float32 or one common 16-bit dtype");
+  }
+  void* const dx_p = dx.data_ptr();
 
   dispatch_cpu(base_t, "h", [&](auto btag) {
     using TB = decltype(btag);
-    auto pick = [](at::ScalarType t, auto&& f) {
-      if (t == at::kFloat) {
+    auto pick = [](ScalarType t, auto&& f) {
+      if (t == kFloat) {
         f(float{});
       } else {
         f(TB{});
@@ -254,14 +264,17 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
         using TD = decltype(dtag);
         pick(dx_dtype, [&](auto xtag) {
           using TX = decltype(xtag);
-          pick(has_extra ? dh_extra->scalar_type() : at::kFloat, [&](auto etag) {
+          pick(has_extra ? dh_extra->scalar_type() : kFloat, [&](auto etag) {
             using TE = decltype(etag);
+            const RowsOf<const TH> h_rows = rows_of<TH>(h);
+            const RowsOf<const TD> dy_rows = rows_of<TD>(dy);
+            const RowsOf<const TE> e_rows = has_extra ? rows_of<TE>(*dh_extra) : RowsOf<const TE>{nullptr, 0};
             auto rows = [&](int64_t begin, int64_t end, float* acc) {
               for (int64_t r = begin; r < end; ++r) {
-                const TH* hr = row_of<TH>(h, r);
-                const TD* dr = row_of<TD>(dy, r);
-                const TE* er = has_extra ? row_of<TE>(*dh_extra, r) : nullptr;
-                TX* xr = static_cast<TX*>(dx.data_ptr()) + r * N;
+                const TH* hr = h_rows(r);
+                const TD* dr = dy_rows(r);
+                const TE* er = has_extra ? e_rows(r) : nullptr;
+                TX* xr = static_cast<TX*>(dx_p) + r * N;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
                 if (avx2) {
                   avx2::bwd_row<TH, TD, TE, TX>(hr, dr, rstd_p[r], s, er, xr, acc, N);
@@ -272,12 +285,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
               }
             };
             if (want_dw) {
-              at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+              fused_mlp::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
                 for (int64_t c = cb; c < ce; ++c)
                   rows(c * rows_per_chunk, std::min(M, (c + 1) * rows_per_chunk), partial.data() + c * N);
               });
             } else {
-              at::parallel_for(0, M, row_grain(N), [&](int64_t b, int64_t e) { rows(b, e, nullptr); });
+              fused_mlp::parallel_for(0, M, row_grain(N), [&](int64_t b, int64_t e) { rows(b, e, nullptr); });
             }
           });
         });
@@ -289,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(
     dispatch_cpu(dw.scalar_type(), "weight", [&](auto wtag) {
       using TW = decltype(wtag);
       TW* out = static_cast<TW*>(dw.data_ptr());
-      at::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
+      fused_mlp::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
         if (avx2) {
           avx2::sum_columns<TW>(partial.data(), chunks, N, b, e, out);

@@ -1,6 +1,6 @@
 // RMSNorm row kernels for the CPU, written once over an 8-wide fp32 vector type `F8` and compiled twice by
 // rms_norm.cpp: inside `#pragma GCC target("avx2,fma,f16c")` as namespace `avx2` with FUSED_MLP_ROWS_AVX2 = 1
-// (F8 = __m256, F16C half conversions), and for baseline x86-64 as namespace `base` (F8 = float[8], c10
+// (F8 = __m256, F16C half conversions), and for baseline x86-64 as namespace `base` (F8 = float[8], Half/BFloat16
 // conversions). The includer sets the macro: `#pragma GCC target` does not define __AVX2__/__F16C__ (GCC 12).
 // No include guard: FUSED_MLP_ROWS_NS names the namespace of each copy. Per row only; threading is the caller's.
 //
@@ -24,17 +24,17 @@ inline float hsum(F8 a) {
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 inline F8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
-inline F8 load8(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
-inline F8 load8(const c10::BFloat16* p) {
+inline F8 load8(const Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline F8 load8(const BFloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 inline void store8(float* p, F8 a) { _mm256_storeu_ps(p, a.v); }
-inline void store8(c10::Half* p, F8 a) {
+inline void store8(Half* p, F8 a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline void store8(c10::BFloat16* p, F8 a) {
-  // Round to nearest even like c10::BFloat16(float): u + 0x7fff + lsb, NaN -> 0x7fc0.
+inline void store8(BFloat16* p, F8 a) {
+  // Round to nearest even like BFloat16(float): u + 0x7fff + lsb, NaN -> 0x7fc0.
   const __m256i u = _mm256_castps_si256(a.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
@@ -84,7 +84,7 @@ inline void store8(T* p, F8 a) {
 }
 #endif
 
-// Scalar tail (N % 8): the same roundings as the vector stores (c10 and F16C both round to nearest even).
+// Scalar tail (N % 8): the same roundings as the vector stores (Half/BFloat16 and F16C both round to nearest even).
 template <typename T>
 inline float ld1(const T* p) { return static_cast<float>(*p); }
 template <typename T>

@@ -51,7 +51,10 @@
 // OUTPUT_TYPE, which would round partial sums to the half output type before the epilogue).
 //
 // ---- Speed ----
-// Workspace and handle are torch's (getCUDABlasLtWorkspace / getCurrentCUDABlasLtHandle) on the current stream.
+// Workspace and handle are torch's (getCUDABlasLtWorkspace / getCurrentCUDABlasLtHandle) on the current stream; the
+// stable-ABI build, which cannot reach those, keeps one cuBLASLt handle per device (cuBLASLt handles carry no
+// stream and may be shared by threads) and takes the workspace from torch's caching allocator for each call
+// (stream-ordered, graph-capture safe) of torch's size (CUBLASLT_WORKSPACE_SIZE, default 1 MiB).
 // Descriptors, layouts and the heuristic's algorithm are cached per (device, shape, lds, ops, dtypes, epilogue,
 // pointer alignments, workspace size) in a thread-local table; a cached call only updates the bias/aux pointers
 // and launches. Opt-in (FUSED_MLP_ADDMM_AUTOTUNE=1): large GEMMs time the heuristic's top 8 candidates once and keep
@@ -61,17 +64,15 @@
 // ---- Fallback ----
 // If cuBLASLt has no algorithm for a fused epilogue (or the matmul returns an error), warn once and take the
 // fp32-accumulator path (DEFAULT epilogue into fp32, then the bias/activation kernel: same numerics). If cuBLASLt
-// fails even there, warn once and use at::mm on fp32 copies of the operands (bf16/fp16 values are exact in fp32,
-// and in TF32 too) followed by the same kernel. Backward GEMMs fall back to at::mm in the input dtype (also one
+// fails even there, warn once and use torch's mm on fp32 copies of the operands (bf16/fp16 values are exact in fp32,
+// and in TF32 too) followed by the same kernel. Backward GEMMs fall back to torch's mm in the input dtype (also one
 // rounding of an fp32-accumulated product). The private op _addmm_lt_force_fallback(mode) forces these paths for
 // the tests: 1 = no fused epilogue, 2 = no cuBLASLt at all.
-#include <ATen/cuda/CUDAContextLight.h>
-#include <ATen/ops/empty.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <ATen/ops/mm.h>
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <mutex>
+#include <sstream>
 #include <type_traits>
 #include <array>
 #include <cstdlib>
@@ -81,6 +82,10 @@
 
 #include "cuda/common.cuh"
 #include "torch_binding.h"
+
+#if !defined(FUSED_MLP_STABLE_ABI)
+#include <ATen/cuda/CUDAContextLight.h>  // torch's cuBLASLt handle and workspace
+#endif
 
 namespace fused_mlp::cuda {
 namespace {
@@ -238,17 +243,17 @@ int device_sm_count(int device) {
   static int cached[64] = {0};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   if (device >= 0 && device < 64) cached[device] = n;
   return n;
 }
 
-cudaDataType_t lt_dtype(at::ScalarType t) {
+cudaDataType_t lt_dtype(ScalarType t) {
   switch (t) {
-    case at::kFloat: return CUDA_R_32F;
-    case at::kHalf: return CUDA_R_16F;
-    case at::kBFloat16: return CUDA_R_16BF;
-    default: TORCH_CHECK(false, "fused_mlp: unsupported dtype ", t);
+    case kFloat: return CUDA_R_32F;
+    case kHalf: return CUDA_R_16F;
+    case kBFloat16: return CUDA_R_16BF;
+    default: FM_CHECK(false, "fused_mlp: unsupported dtype ", t);
   }
 }
 
@@ -261,31 +266,31 @@ uint32_t alignment_of(const void* p) {
 
 // A 2-D operand with unit stride along its last dim and a row stride usable as a leading dimension
 // (>= the row length; any stride for a single row or a single column). Otherwise a contiguous copy.
-at::Tensor as_gemm_rows(const at::Tensor& t) {
+Tensor as_gemm_rows(const Tensor& t) {
   const int64_t R = t.size(0), C = t.size(1);
   const bool unit = C <= 1 || t.stride(1) == 1;
   const bool ld_ok = R <= 1 || t.stride(0) >= std::max<int64_t>(C, 1);
-  return unit && ld_ok ? t : t.contiguous();
+  return unit && ld_ok ? t : fused_mlp::contiguous(t);
 }
 
-int64_t gemm_ld(const at::Tensor& rows) {  // leading dimension of an as_gemm_rows() operand
+int64_t gemm_ld(const Tensor& rows) {  // leading dimension of an as_gemm_rows() operand
   return rows.size(0) <= 1 ? std::max<int64_t>(rows.size(1), 1) : rows.stride(0);
 }
 
 // mat2 [K, N]: row-major usable (-> false) or column-major usable (-> true); else made contiguous (row-major).
 // Python's _mat2_layout() makes the same decision, which fixes the layout of dW.
 struct Mat2 {
-  at::Tensor t;
+  Tensor t;
   bool col_major;
   int64_t ld;
 };
-Mat2 prepare_mat2(const at::Tensor& w) {
+Mat2 prepare_mat2(const Tensor& w) {
   const int64_t K = w.size(0), N = w.size(1);
   if ((N <= 1 || w.stride(1) == 1) && (K <= 1 || w.stride(0) >= std::max<int64_t>(N, 1)))
     return {w, false, K <= 1 ? std::max<int64_t>(N, 1) : w.stride(0)};
   if ((K <= 1 || w.stride(0) == 1) && (N <= 1 || w.stride(1) >= std::max<int64_t>(K, 1)))
     return {w, true, N <= 1 ? std::max<int64_t>(K, 1) : w.stride(1)};
-  const at::Tensor c = w.contiguous();
+  const Tensor c = fused_mlp::contiguous(w);
   return {c, false, std::max<int64_t>(N, 1)};
 }
 
@@ -304,7 +309,7 @@ struct LtGemm {
   bool trans_b = false;
   void* d = nullptr;
   int64_t ldd = 0;
-  at::ScalarType ab_type = at::kFloat, d_type = at::kFloat;
+  ScalarType ab_type = kFloat, d_type = kFloat;
   int64_t m = 0, n = 0, k = 0;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;  // [m], D's dtype, 16-byte aligned (BIAS epilogues only)
@@ -368,6 +373,77 @@ PlanTable& plan_table() {
   return table;
 }
 
+// ---- handle, workspace and stream of one cuBLASLt call ----
+int current_device() {
+  int dev = 0;
+  FM_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+cudaStream_t stream_here() {  // torch's current stream on the current device (the entry points set it)
+#if defined(FUSED_MLP_STABLE_ABI)
+  void* s = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(current_device(), &s));
+  return static_cast<cudaStream_t>(s);
+#else
+  return c10::cuda::getCurrentCUDAStream();
+#endif
+}
+
+cublasLtHandle_t lt_handle() {
+#if defined(FUSED_MLP_STABLE_ABI)
+  constexpr int kMaxDevices = 64;
+  static std::mutex mu;
+  static cublasLtHandle_t handles[kMaxDevices] = {};
+  const int dev = current_device();
+  FM_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (handles[dev] == nullptr) {
+    const cublasStatus_t st = cublasLtCreate(&handles[dev]);
+    FM_CHECK(st == CUBLAS_STATUS_SUCCESS, "fused_mlp: cublasLtCreate failed with status ", static_cast<int>(st));
+  }
+  return handles[dev];
+#else
+  return at::cuda::getCurrentCUDABlasLtHandle();
+#endif
+}
+
+// The workspace of one call: torch's own (classic build) or a block of torch's caching allocator held for the call.
+class LtWorkspace {
+ public:
+  LtWorkspace() {
+#if defined(FUSED_MLP_STABLE_ABI)
+    // torch's size for its own cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE in KiB, default 1024 KiB), so the
+    // heuristic sees what it sees in the classic build and picks the same algorithms. Measured on the H200: with a
+    // 32 MiB workspace the heuristic chose, for bf16 D with the BIAS epilogue at M=83, K=128, N=3, an algorithm
+    // whose result was not rounded once (max error 0.0142 where one rounding allows 0.0078).
+    static const size_t kBytes = [] {
+      const char* e = std::getenv("CUBLASLT_WORKSPACE_SIZE");
+      long kib = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+      return static_cast<size_t>(kib > 0 ? kib : 1024) * 1024u;
+    }();
+    size_ = kBytes;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_cuda_caching_allocator_raw_alloc(size_, &ptr_));
+#else
+    ptr_ = at::cuda::getCUDABlasLtWorkspace();
+    size_ = at::cuda::getCUDABlasLtWorkspaceSize();
+#endif
+  }
+  ~LtWorkspace() {
+#if defined(FUSED_MLP_STABLE_ABI)
+    if (ptr_ != nullptr) aoti_torch_cuda_caching_allocator_raw_delete(ptr_);
+#endif
+  }
+  LtWorkspace(const LtWorkspace&) = delete;
+  LtWorkspace& operator=(const LtWorkspace&) = delete;
+  void* ptr() const { return ptr_; }
+  size_t size() const { return size_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
 #define FM_LT_TRY(expr)                                  \
   do {                                                   \
     if ((expr) != CUBLAS_STATUS_SUCCESS) return false;   \
@@ -383,7 +459,7 @@ bool set_pointer_attrs(const Plan& p, const LtGemm& g) {
 }
 
 // Builds the descriptors and asks the heuristic for one algorithm. Returns false when cuBLASLt refuses.
-bool build_plan(Plan& p, const LtGemm& g, size_t workspace, bool want_candidates) {
+bool build_plan(Plan& p, const LtGemm& g, size_t workspace, bool want_candidates, cublasLtHandle_t handle) {
   FM_LT_TRY(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -410,7 +486,7 @@ bool build_plan(Plan& p, const LtGemm& g, size_t workspace, bool want_candidates
       pref_guard(pref, &cublasLtMatmulPreferenceDestroy);
   FM_LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                                  sizeof(workspace)));
-  if (g.d_type != at::kFloat) {
+  if (g.d_type != kFloat) {
     // Split-K partial sums stay fp32 until the epilogue (never reduced in the bf16/fp16 output buffer or type).
     const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     FM_LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
@@ -426,7 +502,7 @@ bool build_plan(Plan& p, const LtGemm& g, size_t workspace, bool want_candidates
   const int wanted = want_candidates ? kAutotuneCandidates : 1;
   cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates] = {};
   int returned = 0;
-  FM_LT_TRY(cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.desc, p.a, p.b, p.d, p.d, pref,
+  FM_LT_TRY(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref,
                                            wanted, results, &returned));
   for (int i = 0; i < returned && i < kAutotuneCandidates; ++i)
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace)
@@ -448,8 +524,7 @@ bool autotune_enabled() {
   return on;
 }
 
-void autotune_plan(Plan& p, const LtGemm& g, size_t workspace) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHandle_t handle, cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) return;
   cudaEvent_t start = nullptr, stop = nullptr;
@@ -460,8 +535,8 @@ void autotune_plan(Plan& p, const LtGemm& g, size_t workspace) {
   }
   const float alpha = 1.f, beta = 0.f;
   const auto run = [&](const cublasLtMatmulAlgo_t& algo) {
-    return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d,
-                          p.d, g.d, p.d, &algo, at::cuda::getCUDABlasLtWorkspace(), workspace, stream);
+    return cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &algo, ws.ptr(),
+                          ws.size(), stream);
   };
   float best_ms = -1.f;
   for (int i = 0; i < p.num_candidates; ++i) {
@@ -484,9 +559,12 @@ void autotune_plan(Plan& p, const LtGemm& g, size_t workspace) {
 // Runs one GEMM through cuBLASLt on the current stream. false = cuBLASLt has no algorithm or failed (the caller
 // falls back; nothing was written that the fallback does not overwrite).
 bool lt_gemm(const LtGemm& g) {
-  const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
+  const LtWorkspace ws;
+  const size_t workspace = ws.size();
+  const cublasLtHandle_t handle = lt_handle();
+  const cudaStream_t stream = stream_here();
   PlanKey key{};
-  key[kDevice] = c10::cuda::current_device();
+  key[kDevice] = current_device();
   key[kAbType] = static_cast<int64_t>(g.ab_type);
   key[kDType] = static_cast<int64_t>(g.d_type);
   key[kTransA] = g.trans_a;
@@ -517,17 +595,15 @@ bool lt_gemm(const LtGemm& g) {
     if (table.size() >= kMaxPlans) table.clear();
     const bool tune = autotune_enabled() && 2.0 * g.m * g.n * g.k >= kAutotuneMinFlops;
     auto fresh = std::make_unique<Plan>();
-    fresh->ok = build_plan(*fresh, g, workspace, tune);
+    fresh->ok = build_plan(*fresh, g, workspace, tune, handle);
     plan = table.emplace(key, std::move(fresh)).first->second.get();
     if (!plan->ok) return false;
-    if (tune && plan->num_candidates > 1) autotune_plan(*plan, g, workspace);
+    if (tune && plan->num_candidates > 1) autotune_plan(*plan, g, ws, handle, stream);
     plan->num_candidates = 0;
   }
   const float alpha = 1.f, beta = 0.f;
-  const cublasStatus_t st = cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), plan->desc, &alpha, g.a, plan->a,
-                                           g.b, plan->b, &beta, g.d, plan->d, g.d, plan->d, &plan->algo,
-                                           at::cuda::getCUDABlasLtWorkspace(), workspace,
-                                           c10::cuda::getCurrentCUDAStream());
+  const cublasStatus_t st = cublasLtMatmul(handle, plan->desc, &alpha, g.a, plan->a, g.b, plan->b, &beta, g.d,
+                                           plan->d, g.d, plan->d, &plan->algo, ws.ptr(), workspace, stream);
   if (st != CUBLAS_STATUS_SUCCESS) {
     plan->ok = false;  // do not retry this configuration
     return false;
@@ -537,26 +613,28 @@ bool lt_gemm(const LtGemm& g) {
 
 void warn_fallback(int slot, const char* what, const LtGemm& g) {
   if (!addmm_lt_first_warning(slot)) return;
-  TORCH_WARN("fused_mlp.addmm: cuBLASLt ", what, " (m=", g.m, ", n=", g.n, ", k=", g.k, ", dtype ", g.ab_type,
-             ", epilogue ", static_cast<int>(g.epilogue), "); using ",
-             slot == 0 ? "the fp32-accumulator path (GEMM to fp32, then bias/activation, one rounding)"
-                       : "at::mm fallbacks (fp32 accumulation, one rounding; slower)",
-             ". Results keep the same numerics. This warning is shown once.");
+  std::ostringstream msg;
+  msg << "fused_mlp.addmm: cuBLASLt " << what << " (m=" << g.m << ", n=" << g.n << ", k=" << g.k << ", dtype "
+      << g.ab_type << ", epilogue " << static_cast<int>(g.epilogue) << "); using "
+      << (slot == 0 ? "the fp32-accumulator path (GEMM to fp32, then bias/activation, one rounding)"
+                    : "torch's mm fallbacks (fp32 accumulation, one rounding; slower)")
+      << ". Results keep the same numerics. This warning is shown once.";
+  fused_mlp::warn(msg.str());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------------------------
 
-void launch_bias_act(const float* acc, const at::Tensor* bias, const at::Tensor& y, const at::Tensor* z, int act,
+void launch_bias_act(const float* acc, const Tensor* bias, const Tensor& y, const Tensor* z, int act,
                      int64_t M, int64_t N, cudaStream_t stream) {
   const bool vec4 = N % 4 == 0;
   const int64_t items = M * N / (vec4 ? 4 : 1);
   constexpr int kThreads = 256;
-  const int64_t max_blocks = static_cast<int64_t>(device_sm_count(y.get_device())) * 8;
+  const int64_t max_blocks = static_cast<int64_t>(device_sm_count(device_index(y))) * 8;
   const unsigned blocks =
       static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((items + kThreads - 1) / kThreads, max_blocks)));
-  const at::ScalarType bias_t = bias != nullptr ? bias->scalar_type() : y.scalar_type();
+  const ScalarType bias_t = bias != nullptr ? bias->scalar_type() : y.scalar_type();
   dispatch_float(y.scalar_type(), "output", [&](auto ot) {
     using TO = decltype(ot);
     dispatch_base_or_float<TO>(bias_t, "bias", [&](auto bt) {
@@ -567,7 +645,7 @@ void launch_bias_act(const float* acc, const at::Tensor* bias, const at::Tensor&
       auto go = [&](auto act_tag, auto vec_tag) {
         constexpr int A = decltype(act_tag)::value, V = decltype(vec_tag)::value;
         bias_act_kernel<TO, TB, A, V><<<blocks, kThreads, 0, stream>>>(acc, bp, yp, zp, M, N);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        FM_KERNEL_LAUNCH_CHECK();
       };
       auto with_vec = [&](auto act_tag) {
         if (vec4) go(act_tag, std::integral_constant<int, 4>{});
@@ -580,24 +658,24 @@ void launch_bias_act(const float* acc, const at::Tensor* bias, const at::Tensor&
   });
 }
 
-void check_cuda_args(const std::optional<at::Tensor>& bias, const at::Tensor& mat1, const at::Tensor& mat2,
+void check_cuda_args(const std::optional<Tensor>& bias, const Tensor& mat1, const Tensor& mat2,
                      int64_t activation) {
-  TORCH_CHECK(activation >= 0 && activation <= 2, "fused_mlp: activation code must be 0, 1 or 2, got ", activation);
-  TORCH_CHECK(mat1.dim() == 2 && mat2.dim() == 2, "fused_mlp: addmm takes 2-D mat1 [M, K] and mat2 [K, N], got ",
+  FM_CHECK(activation >= 0 && activation <= 2, "fused_mlp: activation code must be 0, 1 or 2, got ", activation);
+  FM_CHECK(mat1.dim() == 2 && mat2.dim() == 2, "fused_mlp: addmm takes 2-D mat1 [M, K] and mat2 [K, N], got ",
               mat1.dim(), "-D and ", mat2.dim(), "-D");
-  TORCH_CHECK(mat1.is_cuda() && mat2.device() == mat1.device(), "fused_mlp: mat1 and mat2 must be on one CUDA device");
-  const at::ScalarType T = mat1.scalar_type();
-  TORCH_CHECK(T == at::kFloat || T == at::kHalf || T == at::kBFloat16,
+  FM_CHECK(mat1.is_cuda() && fused_mlp::same_device(mat2, mat1), "fused_mlp: mat1 and mat2 must be on one CUDA device");
+  const ScalarType T = mat1.scalar_type();
+  FM_CHECK(T == kFloat || T == kHalf || T == kBFloat16,
               "fused_mlp: mat1 must be float32/float16/bfloat16, got ", T);
-  TORCH_CHECK(mat2.scalar_type() == T, "fused_mlp: mat2 dtype ", mat2.scalar_type(), " must equal mat1 dtype ", T);
-  TORCH_CHECK(mat1.size(1) == mat2.size(0), "fused_mlp: mat1 [", mat1.size(0), ", ", mat1.size(1), "] and mat2 [",
+  FM_CHECK(mat2.scalar_type() == T, "fused_mlp: mat2 dtype ", mat2.scalar_type(), " must equal mat1 dtype ", T);
+  FM_CHECK(mat1.size(1) == mat2.size(0), "fused_mlp: mat1 [", mat1.size(0), ", ", mat1.size(1), "] and mat2 [",
               mat2.size(0), ", ", mat2.size(1), "] cannot be multiplied (inner dims differ)");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == mat2.size(1), "fused_mlp: bias must be [", mat2.size(1),
-                "], got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == T || bias->scalar_type() == at::kFloat,
+    FM_CHECK(bias->dim() == 1 && bias->size(0) == mat2.size(1), "fused_mlp: bias must be [", mat2.size(1),
+                "], got ", fused_mlp::shape_str(*bias));
+    FM_CHECK(bias->scalar_type() == T || bias->scalar_type() == kFloat,
                 "fused_mlp: bias dtype must be float32 or ", T, ", got ", bias->scalar_type());
-    TORCH_CHECK(bias->device() == mat1.device(), "fused_mlp: bias must be on mat1's device");
+    FM_CHECK(fused_mlp::same_device(*bias, mat1), "fused_mlp: bias must be on mat1's device");
   }
 }
 
@@ -606,39 +684,38 @@ void check_cuda_args(const std::optional<at::Tensor>& bias, const at::Tensor& ma
 
 using namespace fused_mlp::cuda;
 
-std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor>& bias_in, const at::Tensor& mat1_in,
-                                                  const at::Tensor& mat2_in, int64_t activation, bool save_preact,
-                                                  c10::SymIntArrayRef out_shape) {
-  // The at::mm calls inside must not be re-cast by an enclosing torch.autocast (the Python API already cast).
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, const Tensor& mat1_in,
+                                                  const Tensor& mat2_in, int64_t activation, bool save_preact,
+                                                  ShapeArg out_shape) {
+  // (fused_mlp::mm_out is never re-cast by an enclosing torch.autocast: the Python API already cast.)
   check_cuda_args(bias_in, mat1_in, mat2_in, activation);
-  c10::cuda::CUDAGuard guard(mat1_in.device());
+  const DeviceGuard guard(mat1_in);
   const int64_t M = mat1_in.size(0), K = mat1_in.size(1), N = mat2_in.size(1);
-  const at::ScalarType T = mat1_in.scalar_type();
+  const ScalarType T = mat1_in.scalar_type();
   const int act = static_cast<int>(activation);
   const bool want_z = save_preact && act != kActNone;
-  auto y_out = at::empty(check_out_shape(out_shape, M, N), mat1_in.options());  // the caller's [..., N]
-  const at::Tensor y = y_out.view({M, N});
-  auto z = want_z ? at::empty({M, N}, mat1_in.options()) : at::empty({0}, mat1_in.options());
+  auto y_out = fused_mlp::empty(check_out_shape(out_shape, M, N), T, mat1_in);  // the caller's [..., N]
+  const Tensor y = fused_mlp::view(y_out, {M, N});
+  auto z = want_z ? fused_mlp::empty({M, N}, T, mat1_in) : fused_mlp::empty({0}, T, mat1_in);
   if (M == 0 || N == 0) return {y_out, z};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(mat1_in);
 
   // Bias: contiguous, 16-byte aligned (cuBLASLt's alignment preferences do not cover the epilogue's bias pointer;
   // an under-aligned bias slice has faulted elsewhere), N elements: the copy is negligible.
-  std::optional<at::Tensor> bias;
+  std::optional<Tensor> bias;
   if (bias_in.has_value()) {
-    at::Tensor b = bias_in->contiguous();
-    if (alignment_of(b.const_data_ptr()) < 16) b = b.clone();
+    Tensor b = fused_mlp::contiguous(*bias_in);
+    if (alignment_of(b.const_data_ptr()) < 16) b = fused_mlp::clone(b);
     bias = b;
   }
-  const at::Tensor* bias_p = bias.has_value() ? &*bias : nullptr;
+  const Tensor* bias_p = bias.has_value() ? &*bias : nullptr;
 
   if (K == 0) {  // empty product: y = act(bias), z = bias (or zeros)
     launch_bias_act(nullptr, bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
     return {y_out, z};
   }
 
-  const at::Tensor mat1 = as_gemm_rows(mat1_in);
+  const Tensor mat1 = as_gemm_rows(mat1_in);
   const Mat2 w = prepare_mat2(mat2_in);
   LtGemm g;
   g.a = w.t.const_data_ptr();
@@ -660,7 +737,7 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
   // cuBLASLt's GELU epilogue is exact (one rounding) only for fp32 outputs: for bf16/fp16 outputs the H200 GPU test
   // (test_forward_rounded_once) measured errors of ~5 output ulps (bf16: 0.0095 at 0.287, one-rounding bound
   // 0.0012), so half-precision GeLU takes the fp32-accumulator path below, which rounds once.
-  const bool epilogue_exact = act == kActNone || T == at::kFloat;
+  const bool epilogue_exact = act == kActNone || T == kFloat;
   if (act != kActGeluErf && epilogue_exact && bias_in_out_dtype && aux_ok) {
     LtGemm f = g;
     f.d = y.data_ptr();
@@ -685,72 +762,70 @@ std::tuple<at::Tensor, at::Tensor> addmm_fwd_cuda(const std::optional<at::Tensor
 
   // 2. The fp32-accumulator path: D = mat1 @ mat2 in fp32, then bias + activation in one kernel, one rounding.
   //    For fp32 outputs the accumulator is Z (training) or Y itself (the kernel works in place).
-  at::Tensor acc = T != at::kFloat ? at::empty({M, N}, mat1.options().dtype(at::kFloat)) : (want_z ? z : y);
+  Tensor acc = T != kFloat ? fused_mlp::empty({M, N}, kFloat, mat1) : (want_z ? z : y);
   LtGemm a32 = g;
   a32.d = acc.data_ptr();
-  a32.d_type = at::kFloat;
+  a32.d_type = kFloat;
   a32.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   bool done = mode < 2 && lt_gemm(a32);
   if (!done) {
     warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the fp32 GEMM", a32);
-    at::mm_out(acc, mat1.to(at::kFloat), w.t.to(at::kFloat));
+    fused_mlp::mm_out(acc, fused_mlp::to_dtype(mat1, kFloat), fused_mlp::to_dtype(w.t, kFloat));
   }
-  launch_bias_act(acc.const_data_ptr<float>(), bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
+  launch_bias_act(static_cast<const float*>(acc.const_data_ptr()), bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
   return {y_out, z};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
-    const at::Tensor& dy_in, const std::optional<at::Tensor>& preact, const at::Tensor& mat1_in,
-    const at::Tensor& mat2_in, int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db,
-    at::ScalarType db_dtype) {
-  // The at::mm calls inside must not be re-cast by an enclosing torch.autocast (the Python API already cast).
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
+    const Tensor& dy_in, const std::optional<Tensor>& preact, const Tensor& mat1_in,
+    const Tensor& mat2_in, int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db,
+    ScalarType db_dtype) {
   check_cuda_args(std::nullopt, mat1_in, mat2_in, activation);
-  c10::cuda::CUDAGuard guard(mat1_in.device());
+  const DeviceGuard guard(mat1_in);
   const int64_t M = mat1_in.size(0), K = mat1_in.size(1), N = mat2_in.size(1);
-  const at::ScalarType T = mat1_in.scalar_type();
+  const ScalarType T = mat1_in.scalar_type();
   const int act = static_cast<int>(activation);
-  TORCH_CHECK(dy_in.is_cuda() && dy_in.device() == mat1_in.device() && dy_in.dim() == 2 && dy_in.size(0) == M &&
-                  dy_in.size(1) == N,
-              "fused_mlp: dy must be [", M, ", ", N, "] on mat1's device, got ", dy_in.sizes());
-  TORCH_CHECK(dy_in.scalar_type() == T || dy_in.scalar_type() == at::kFloat, "fused_mlp: dy dtype must be float32 or ",
+  FM_CHECK(dy_in.is_cuda() && fused_mlp::same_device(dy_in, mat1_in) && dy_in.dim() == 2 && dy_in.size(0) == M &&
+               dy_in.size(1) == N,
+           "fused_mlp: dy must be [", M, ", ", N, "] on mat1's device, got ", fused_mlp::shape_str(dy_in));
+  FM_CHECK(dy_in.scalar_type() == T || dy_in.scalar_type() == kFloat, "fused_mlp: dy dtype must be float32 or ",
               T, ", got ", dy_in.scalar_type());
-  TORCH_CHECK(db_dtype == at::kFloat || db_dtype == at::kHalf || db_dtype == at::kBFloat16,
+  FM_CHECK(db_dtype == kFloat || db_dtype == kHalf || db_dtype == kBFloat16,
               "fused_mlp: db_dtype must be a float dtype");
   if (act != kActNone)
-    TORCH_CHECK(preact.has_value() && preact->device() == mat1_in.device() && preact->dim() == 2 &&
+    FM_CHECK(preact.has_value() && fused_mlp::same_device(*preact, mat1_in) && preact->dim() == 2 &&
                     preact->size(0) == M && preact->size(1) == N && preact->scalar_type() == T,
                 "fused_mlp: the saved pre-activation must be [", M, ", ", N, "] ", T, " on mat1's device");
 
-  auto dx = need_dx ? at::empty({M, K}, mat1_in.options()) : at::empty({0}, mat1_in.options());
-  auto dw = need_dw ? (dw_transposed ? at::empty({N, K}, mat1_in.options()) : at::empty({K, N}, mat1_in.options()))
-                    : at::empty({0}, mat1_in.options());
-  auto db = at::empty({need_db ? N : 0}, mat1_in.options().dtype(db_dtype));
+  auto dx = fused_mlp::empty(need_dx ? fused_mlp::Sizes{M, K} : fused_mlp::Sizes{0}, T, mat1_in);
+  auto dw = fused_mlp::empty(!need_dw ? fused_mlp::Sizes{0} : dw_transposed ? fused_mlp::Sizes{N, K} : fused_mlp::Sizes{K, N},
+                             T, mat1_in);
+  auto db = fused_mlp::empty({need_db ? N : 0}, db_dtype, mat1_in);
   if (M == 0 || N == 0) {  // empty sums: zeros (dx is [M, K] = zeros when N == 0)
-    if (need_dx) dx.zero_();
-    if (need_dw) dw.zero_();
-    if (need_db) db.zero_();
+    if (need_dx) fused_mlp::zero_(dx);
+    if (need_dw) fused_mlp::zero_(dw);
+    if (need_db) fused_mlp::zero_(db);
     return {dx, dw, db};
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(mat1_in);
   const bool gemms = (need_dx || need_dw) && K > 0;
 
   // dZ: the GEMM operand in the input dtype. Without activation and with dY in that dtype, dY itself.
-  const at::Tensor dy = as_gemm_rows(dy_in);
+  const Tensor dy = as_gemm_rows(dy_in);
   const bool dz_is_dy = act == kActNone && dy.scalar_type() == T;
-  at::Tensor dz = dz_is_dy ? dy : (gemms ? at::empty({M, N}, mat1_in.options()) : at::Tensor());
+  Tensor dz = dz_is_dy ? dy : (gemms ? fused_mlp::empty({M, N}, T, mat1_in) : Tensor());
   const bool write_dz = gemms && !dz_is_dy;
   if (write_dz || need_db) {
     const int64_t col_tiles = (N + kColTile - 1) / kColTile;
-    const int64_t target_blocks = static_cast<int64_t>(device_sm_count(mat1_in.get_device())) * 4;
+    const int64_t target_blocks = static_cast<int64_t>(device_sm_count(device_index(mat1_in))) * 4;
     int64_t chunks = need_db ? std::clamp<int64_t>((target_blocks + col_tiles - 1) / col_tiles, 1,
                                                   (M + kRowLanes - 1) / kRowLanes)
                              : std::min<int64_t>(65535, (M + kRowLanes * 16 - 1) / (kRowLanes * 16));
     const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
     chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
-    TORCH_CHECK(col_tiles <= 0x7fffffff && chunks <= 65535, "fused_mlp: addmm backward grid too large");
-    at::Tensor partial = need_db ? at::empty({chunks, N}, mat1_in.options().dtype(at::kDouble)) : at::Tensor();
-    const at::Tensor zc = act != kActNone ? preact->contiguous() : at::Tensor();
+    FM_CHECK(col_tiles <= 0x7fffffff && chunks <= 65535, "fused_mlp: addmm backward grid too large");
+    Tensor partial = need_db ? fused_mlp::empty({chunks, N}, kDouble, mat1_in) : Tensor();
+    const Tensor zc = act != kActNone ? fused_mlp::contiguous(*preact) : Tensor();
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
     const dim3 block(kColTile, kRowLanes);
     dispatch_float(T, "input", [&](auto tt) {
@@ -760,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
         const TD* dyp = static_cast<const TD*>(dy.const_data_ptr());
         const TT* zp = act != kActNone ? static_cast<const TT*>(zc.const_data_ptr()) : nullptr;
         TT* dzp = write_dz ? static_cast<TT*>(dz.data_ptr()) : nullptr;
-        double* pp = need_db ? partial.data_ptr<double>() : nullptr;
+        double* pp = need_db ? static_cast<double*>(partial.data_ptr()) : nullptr;
         const int64_t ldy = gemm_ld(dy);
         if (act == kActGeluTanh) {
           act_bwd_colsum_kernel<TD, TT, TT, kActGeluTanh><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
@@ -772,25 +847,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
           act_bwd_colsum_kernel<TD, TT, TT, kActNone><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
                                                                                rows_per_chunk);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        FM_KERNEL_LAUNCH_CHECK();
       });
     });
     if (need_db) {
       dispatch_float(db_dtype, "db", [&](auto bt) {
         using TB = decltype(bt);
         column_sum_finalize_kernel<TB><<<ceil_div(N, 256), 256, 0, stream>>>(
-            partial.const_data_ptr<double>(), static_cast<int>(chunks), N, static_cast<TB*>(db.data_ptr()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+            static_cast<const double*>(partial.const_data_ptr()), static_cast<int>(chunks), N, static_cast<TB*>(db.data_ptr()));
+        FM_KERNEL_LAUNCH_CHECK();
       });
     }
   }
   if (!gemms) {
-    if (need_dx) dx.zero_();  // K == 0: dx and dw have no elements; kept for clarity
+    if (need_dx) fused_mlp::zero_(dx);  // K == 0: dx and dw have no elements; kept for clarity
     return {dx, dw, db};
   }
 
   const int mode = addmm_lt_fallback_mode();
-  const at::Tensor mat1 = as_gemm_rows(mat1_in);
+  const Tensor mat1 = as_gemm_rows(mat1_in);
   const Mat2 w = prepare_mat2(mat2_in);
   const int64_t ldz = gemm_ld(dz);
   if (need_dx) {  // dX^T (K x M) = op(mat2) (K x N) * dZ^T (N x M)
@@ -810,7 +885,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
     g.k = N;
     if (!(mode < 2 && lt_gemm(g))) {
       warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the dX GEMM", g);
-      at::mm_out(dx, dz, w.t.t());
+      fused_mlp::mm_out(dx, dz, fused_mlp::transposed(w.t));
     }
   }
   if (need_dw) {
@@ -843,8 +918,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> addmm_bwd_cuda(
     }
     if (!(mode < 2 && lt_gemm(g))) {
       warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the dW GEMM", g);
-      if (dw_transposed) at::mm_out(dw, dz.t(), mat1);
-      else at::mm_out(dw, mat1.t(), dz);
+      if (dw_transposed) fused_mlp::mm_out(dw, fused_mlp::transposed(dz), mat1);
+      else fused_mlp::mm_out(dw, fused_mlp::transposed(mat1), dz);
     }
   }
   return {dx, dw, db};

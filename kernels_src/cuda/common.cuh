@@ -2,17 +2,96 @@
 // warp/block reductions, dtype dispatch and launch checks.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "torch_compat.h"
+
+#if defined(FUSED_MLP_STABLE_ABI)
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/macros.h>
+#else
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#endif
 
-#include <cstdint>
-#include <type_traits>
+// A CUDA runtime call that must succeed, and the check after a kernel launch (torch's error text either way).
+#if defined(FUSED_MLP_STABLE_ABI)
+#define FM_CUDA_CHECK(EXPR) STD_CUDA_CHECK(EXPR)
+#define FM_KERNEL_LAUNCH_CHECK() STD_CUDA_KERNEL_LAUNCH_CHECK()
+#else
+#define FM_CUDA_CHECK(EXPR) C10_CUDA_CHECK(EXPR)
+#define FM_KERNEL_LAUNCH_CHECK() C10_CUDA_KERNEL_LAUNCH_CHECK()
+#endif
 
 namespace fused_mlp::cuda {
+
+// Makes `t`'s device current for the scope (the caller's device is restored at exit).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const Tensor& t)
+#if defined(FUSED_MLP_STABLE_ABI)
+      : guard_(t.get_device_index()) {
+  }
+#else
+      : guard_(t.device()) {
+  }
+#endif
+
+ private:
+#if defined(FUSED_MLP_STABLE_ABI)
+  torch::stable::accelerator::DeviceGuard guard_;
+#else
+  c10::cuda::CUDAGuard guard_;
+#endif
+};
+
+// torch's current stream on `t`'s device (kernels run there: graph capture and user streams work).
+inline cudaStream_t current_stream(const Tensor& t) {
+#if defined(FUSED_MLP_STABLE_ABI)
+  void* s = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &s));
+  return static_cast<cudaStream_t>(s);
+#else
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
+}
+
+// Error-message helpers (the stable ABI has no printers for devices): a device as torch prints it, "cuda:0".
+inline std::string device_str(const Tensor& t) {
+#if defined(FUSED_MLP_STABLE_ABI)
+  // c10's lower-case DeviceType names, in enum order.
+  static constexpr const char* kNames[] = {"cpu",  "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip",
+                                           "fpga", "maia", "xla",    "vulkan", "metal",  "xpu",   "mps",
+                                           "meta", "hpu",  "ve",     "lazy",   "ipu",    "mtia",  "privateuseone"};
+  const auto dev = t.device();
+  const int type = static_cast<int>(dev.type());
+  std::string s = type >= 0 && type < static_cast<int>(sizeof(kNames) / sizeof(kNames[0])) ? kNames[type] : "unknown";
+  if (dev.has_index()) s += ":" + std::to_string(static_cast<int>(dev.index()));
+  return s;
+#else
+  std::ostringstream os;
+  os << t.device();
+  return os.str();
+#endif
+}
+
+inline int device_index(const Tensor& t) {
+#if defined(FUSED_MLP_STABLE_ABI)
+  return static_cast<int>(t.get_device_index());
+#else
+  return static_cast<int>(t.device().index());
+#endif
+}
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
@@ -77,21 +156,26 @@ __device__ __forceinline__ float block_reduce_sum(float v, float* scratch) {
   return warp_reduce_sum(v);
 }
 
-// Host: the device type behind an ATen float dtype.
+// Both CUDA tensors, on one device.
+inline bool same_cuda_device(const Tensor& a, const Tensor& b) {
+  return a.is_cuda() && b.is_cuda() && device_index(a) == device_index(b);
+}
+
+// Host: the device type behind a torch float dtype.
 template <typename F>
-void dispatch_float(at::ScalarType t, const char* what, F&& f) {
+void dispatch_float(ScalarType t, const char* what, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "fused_mlp: ", what, " has unsupported dtype ", t);
+    case ScalarType::Float: f(float{}); break;
+    case ScalarType::Half: f(__half{}); break;
+    case ScalarType::BFloat16: f(__nv_bfloat16{}); break;
+    default: FM_CHECK(false, "fused_mlp: ", what, " has unsupported dtype ", t);
   }
 }
 
 // Host: dispatch a dtype that must be either `Base` or float32 (keeps instantiations few).
 template <typename Base, typename F>
-void dispatch_base_or_float(at::ScalarType t, const char* what, F&& f) {
-  if (t == at::kFloat) {
+void dispatch_base_or_float(ScalarType t, const char* what, F&& f) {
+  if (t == kFloat) {
     f(float{});
     return;
   }
@@ -102,7 +186,7 @@ void dispatch_base_or_float(at::ScalarType t, const char* what, F&& f) {
       f(Base{});
     }
   });
-  TORCH_CHECK(ok, "fused_mlp: ", what, " dtype ", t, " must be float32 or the input's dtype");
+  FM_CHECK(ok, "fused_mlp: ", what, " dtype ", t, " must be float32 or the input's dtype");
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -24,14 +24,14 @@
 //               forward, whose budget at full bandwidth is ~47); derivative Phi(x) + x phi(x),
 //               phi(x) = expf(-x^2/2)/sqrt(2pi).
 //   SiLU:       x * sigmoid(x); derivative sigmoid(x) + x sigmoid'(x).
-#include <ATen/MemoryOverlap.h>
-#include <ATen/ops/empty.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
 #include <map>
 #include <type_traits>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -43,12 +43,12 @@ namespace {
 
 enum class Act { kGeluTanh, kGeluErf, kSilu };
 
-Act parse_activation(c10::string_view s) {
+Act parse_activation(const StrArg& s) {
   const std::string_view v(s.data(), s.size());
   if (v == "gelu_tanh") return Act::kGeluTanh;
   if (v == "gelu") return Act::kGeluErf;
   if (v == "silu") return Act::kSilu;
-  TORCH_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(v), "'");
+  FM_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(v), "'");
 }
 
 // ---- tuning table (H200, sm_90). Confirm with benchmarks/ (activation kernel GB/s vs copy bandwidth). ------
@@ -281,7 +281,7 @@ int sm_count(int device) {
   static int cached[64] = {0};
   if (device < 64 && cached[device] > 0) return cached[device];
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   if (device < 64) cached[device] = n;
   return n;
 }
@@ -296,7 +296,7 @@ int resident_blocks(const void* kernel, int device) {
     if (it != cache.end()) return it->second;
   }
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  FM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
   const int blocks = std::max(1, per_sm) * sm_count(device);
   std::lock_guard<std::mutex> lock(mu);
   cache[{kernel, device}] = blocks;
@@ -310,16 +310,16 @@ int grid_for(const void* kernel, int device, uint32_t n_packs, int unroll = kUnr
 
 // Row view of a tensor the ops accept: 2-D [rows, cols] with unit stride along cols and any row stride, or a
 // contiguous tensor of any rank (rows = all leading dims; geglu_fwd only: the inference path skips reshapes).
-int64_t n_cols(const at::Tensor& t) { return t.size(-1); }
-int64_t n_rows(const at::Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
+int64_t n_cols(const Tensor& t) { return t.size(t.dim() - 1); }
+int64_t n_rows(const Tensor& t) { return t.dim() == 2 ? t.size(0) : (n_cols(t) ? t.numel() / n_cols(t) : 0); }
 // The row stride the kernels use: any value for a single row (torch reports arbitrary strides for size-1 dims).
-int64_t row_stride(const at::Tensor& t) {
+int64_t row_stride(const Tensor& t) {
   if (t.dim() != 2) return n_cols(t);
   return t.size(0) > 1 ? t.stride(0) : 0;
 }
 
 // 16-byte accesses are legal for t: aligned base and a row stride that keeps every row aligned.
-bool aligned16(const at::Tensor& t) {
+bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 &&
          (row_stride(t) * static_cast<int64_t>(t.element_size())) % 16 == 0;
 }
@@ -328,7 +328,7 @@ bool aligned16(const at::Tensor& t) {
 template <typename F>
 void for_row_chunks(int64_t rows, int64_t packs_per_row, F&& f) {
   constexpr int64_t kMaxPacks = (int64_t{1} << 31) - 1;
-  TORCH_CHECK(packs_per_row <= kMaxPacks, "fused_mlp: rows of ", packs_per_row, " packs are too long");
+  FM_CHECK(packs_per_row <= kMaxPacks, "fused_mlp: rows of ", packs_per_row, " packs are too long");
   const int64_t chunk = std::max<int64_t>(1, kMaxPacks / packs_per_row);
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
 }
@@ -342,45 +342,45 @@ void dispatch_act(Act a, F&& f) {
   }
 }
 
-void check_rows_cuda(const at::Tensor& t, const char* name, bool allow_nd = false) {
-  TORCH_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor, got ", t.device());
+void check_rows_cuda(const Tensor& t, const char* name, bool allow_nd = false) {
+  FM_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor, got ", device_str(t));
   if (allow_nd && t.dim() != 2) {
-    TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
+    FM_CHECK(t.dim() >= 1 && t.is_contiguous(), "fused_mlp: ", name, " must be 2-D [rows, cols] or contiguous");
     return;
   }
-  TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
-  TORCH_CHECK(t.numel() == 0 || t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name,
-              " must have unit stride along cols");
+  FM_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
+  FM_CHECK(t.numel() == 0 || t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name,
+           " must have unit stride along cols");
 }
 
-void check_pair(const at::Tensor& gate, const at::Tensor& up, bool allow_nd = false) {
+void check_pair(const Tensor& gate, const Tensor& up, bool allow_nd = false) {
   check_rows_cuda(gate, "gate", allow_nd);
   check_rows_cuda(up, "up", allow_nd);
-  TORCH_CHECK(gate.sizes() == up.sizes(), "fused_mlp: gate shape ", gate.sizes(), " != up shape ", up.sizes());
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
-              " != up dtype ", up.scalar_type());
-  TORCH_CHECK(gate.device() == up.device(), "fused_mlp: gate and up must be on one device");
+  FM_CHECK(fused_mlp::same_shape(gate, up), "fused_mlp: gate shape ", fused_mlp::shape_str(gate), " != up shape ", fused_mlp::shape_str(up));
+  FM_CHECK(gate.scalar_type() == up.scalar_type(), "fused_mlp: gate dtype ", gate.scalar_type(),
+           " != up dtype ", up.scalar_type());
+  FM_CHECK(same_cuda_device(gate, up), "fused_mlp: gate and up must be on one device");
 }
 
-void check_dh(const at::Tensor& dh, const at::Tensor& gate) {
+void check_dh(const Tensor& dh, const Tensor& gate) {
   check_rows_cuda(dh, "dh");
-  TORCH_CHECK(dh.sizes() == gate.sizes(), "fused_mlp: dh shape ", dh.sizes(), " != gate shape ", gate.sizes());
-  TORCH_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == at::kFloat,
-              "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());
-  TORCH_CHECK(dh.device() == gate.device(), "fused_mlp: dh and gate must be on one device");
+  FM_CHECK(fused_mlp::same_shape(dh, gate), "fused_mlp: dh shape ", fused_mlp::shape_str(dh), " != gate shape ", fused_mlp::shape_str(gate));
+  FM_CHECK(dh.scalar_type() == gate.scalar_type() || dh.scalar_type() == kFloat,
+           "fused_mlp: dh must be float32 or gate's dtype (", gate.scalar_type(), "), got ", dh.scalar_type());
+  FM_CHECK(same_cuda_device(dh, gate), "fused_mlp: dh and gate must be on one device");
 }
 
 template <typename T>
-const T* cptr(const at::Tensor& t, int64_t r0) {
+const T* cptr(const Tensor& t, int64_t r0) {
   return static_cast<const T*>(t.const_data_ptr()) + r0 * row_stride(t);
 }
 template <typename T>
-T* mptr(const at::Tensor& t, int64_t r0) {
+T* mptr(const Tensor& t, int64_t r0) {
   return static_cast<T*>(t.data_ptr()) + r0 * row_stride(t);
 }
 
 template <Act A, typename T, int N>
-void launch_fwd(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out, int device,
+void launch_fwd(const Tensor& gate, const Tensor& up, const Tensor& out, int device,
                 cudaStream_t stream) {
   const int64_t rows = n_rows(gate), packs_per_row = n_cols(gate) / N;
   auto kernel = geglu_fwd_kernel<A, T, N>;
@@ -389,7 +389,7 @@ void launch_fwd(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& 
     const int grid = grid_for(reinterpret_cast<const void*>(kernel), device, n_packs);
     kernel<<<grid, kThreads, 0, stream>>>(cptr<T>(gate, r0), row_stride(gate), cptr<T>(up, r0), row_stride(up),
                                           mptr<T>(out, r0), n_packs, FastDiv(static_cast<uint32_t>(packs_per_row)));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    FM_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -410,13 +410,13 @@ int bwd_unroll() {
 }
 
 template <bool kWriteH>
-void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& h_out,
-             const at::Tensor& dgate, const at::Tensor& dup) {
+void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, const Tensor& h_out,
+             const Tensor& dgate, const Tensor& dup) {
   const int64_t rows = gate.size(0), cols = gate.size(1);
   if (rows == 0 || cols == 0) return;
-  c10::cuda::CUDAGuard guard(gate.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int device = gate.get_device();
+  DeviceGuard guard(gate);
+  const auto stream = current_stream(gate);
+  const int device = device_index(gate);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {
@@ -439,7 +439,7 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
                 row_stride(up), kWriteH ? mptr<TD>(h_out, r0) : nullptr, kWriteH ? row_stride(h_out) : 0,
                 mptr<T>(dgate, r0), row_stride(dgate), mptr<T>(dup, r0), row_stride(dup), n_packs,
                 FastDiv(static_cast<uint32_t>(packs_per_row)));
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            FM_KERNEL_LAUNCH_CHECK();
           });
         };
         // Vector path: packs per thread per iteration from the tuning table (bwd_unroll); scalar path: 2.
@@ -456,15 +456,15 @@ void run_bwd(Act act, const at::Tensor& dh, const at::Tensor& gate, const at::Te
 
 using namespace fused_mlp::cuda;
 
-at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+Tensor geglu_fwd_cuda(const Tensor& gate, const Tensor& up, StrArg activation) {
   const Act act = parse_activation(activation);
   check_pair(gate, up, /*allow_nd=*/true);
-  c10::cuda::CUDAGuard guard(gate.device());
+  DeviceGuard guard(gate);
   const int64_t rows = n_rows(gate), cols = n_cols(gate);
-  auto out = at::empty(gate.sizes(), gate.options());
+  auto out = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
   if (rows == 0 || cols == 0) return out;
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int device = gate.get_device();
+  const auto stream = current_stream(gate);
+  const int device = device_index(gate);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {
@@ -478,28 +478,28 @@ at::Tensor geglu_fwd_cuda(const at::Tensor& gate, const at::Tensor& up, c10::str
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> geglu_bwd_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                                                  c10::string_view activation) {
+std::tuple<Tensor, Tensor> geglu_bwd_cuda(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                                          StrArg activation) {
   const Act act = parse_activation(activation);
   check_pair(gate, up);
   check_dh(dh, gate);
-  c10::cuda::CUDAGuard guard(gate.device());
-  auto dgate = at::empty(gate.sizes(), gate.options());
-  auto dup = at::empty(gate.sizes(), gate.options());
-  run_bwd<false>(act, dh, gate, up, at::Tensor(), dgate, dup);
+  DeviceGuard guard(gate);
+  auto dgate = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
+  auto dup = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
+  run_bwd<false>(act, dh, gate, up, Tensor(), dgate, dup);
   return {dgate, dup};
 }
 
-void geglu_bwd_inplace_cuda(const at::Tensor& dh, const at::Tensor& gate, const at::Tensor& up,
-                            c10::string_view activation) {
+void geglu_bwd_inplace_cuda(const Tensor& dh, const Tensor& gate, const Tensor& up,
+                            StrArg activation) {
   const Act act = parse_activation(activation);
   check_pair(gate, up);
   check_dh(dh, gate);
   // Each element is read, then its three results are written by the same thread: safe only when no two
   // elements share memory (no expanded/overlapping views) and the three buffers are disjoint.
-  for (const at::Tensor* t : {&dh, &gate, &up}) at::assert_no_internal_overlap(*t);
-  at::assert_no_overlap(dh, gate);
-  at::assert_no_overlap(dh, up);
-  at::assert_no_overlap(gate, up);
+  for (const Tensor* t : {&dh, &gate, &up}) fused_mlp::check_no_internal_overlap(*t, "geglu_bwd_");
+  fused_mlp::check_no_overlap(dh, gate, "geglu_bwd_");
+  fused_mlp::check_no_overlap(dh, up, "geglu_bwd_");
+  fused_mlp::check_no_overlap(gate, up, "geglu_bwd_");
   run_bwd<true>(act, dh, gate, up, dh, gate, up);
 }

@@ -53,8 +53,6 @@
 // 15-25% slower in the forward and the fused add; the persistent prefetching grid stays.
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,6 +60,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -888,7 +887,7 @@ struct DeviceInfo {
 // Queried once per device and cached. (A mutex, not std::call_once: call_once binds pthread_once@GLIBC_2.34,
 // which breaks manylinux_2_28.)
 const DeviceInfo& device_info(int dev) {
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
+  FM_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
   static DeviceInfo infos[kMaxDevices];
   static std::atomic<bool> ready[kMaxDevices];
   static std::mutex mu;
@@ -896,9 +895,9 @@ const DeviceInfo& device_info(int dev) {
     std::lock_guard<std::mutex> lock(mu);
     if (!ready[dev].load(std::memory_order_relaxed)) {
       DeviceInfo d;
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+      FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
+      FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
       infos[dev] = d;
       ready[dev].store(true, std::memory_order_release);
     }
@@ -934,13 +933,13 @@ int blocks_per_sm(const void* kernel, int threads, int64_t smem, int dev) {
   if (!(mask & (1ull << dev))) {
     const int optin = device_info(dev).smem_optin;
     cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    FM_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     const int dyn_max = optin - static_cast<int>(attr.sharedSizeBytes);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_max));
+    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_max));
     mask |= 1ull << dev;
   }
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, static_cast<size_t>(smem)));
+  FM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, static_cast<size_t>(smem)));
   occ.emplace(key, n);
   return n;
 }
@@ -958,7 +957,7 @@ bool kernel_spills(const void* kernel, int dev) {
   unsigned long long& sp = spills[kernel];
   if (!(k & bit)) {
     cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    FM_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     if (attr.localSizeBytes > 0) sp |= bit;
     k |= bit;
   }
@@ -1042,40 +1041,40 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
   return c;
 }
 
-bool rows_aligned16(const at::Tensor& t) {
+bool rows_aligned16(const Tensor& t) {
   const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return (p & 15) == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
 }
 
 // A contiguous [M, N] output (any rank): base pointer and row pitch N * elem_size 16-byte aligned.
-bool out_rows_aligned16(const at::Tensor& t, int64_t M, int64_t N) {
+bool out_rows_aligned16(const Tensor& t, int64_t M, int64_t N) {
   const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return (p & 15) == 0 && (M <= 1 || (N * t.element_size()) % 16 == 0);
 }
 
 // [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
 // tensors here, so this never copies in practice).
-at::Tensor as_rows_view(const at::Tensor& t) {
+Tensor as_rows_view(const Tensor& t) {
   if (t.dim() == 2) return t;
   int64_t m = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
-  return t.reshape({m, t.size(-1)});
+  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
 }
 
 bool ptr_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-void check_rows_cuda(const at::Tensor& t, const char* name, const at::Tensor& ref) {
-  TORCH_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == ref.device(), "fused_mlp: ", name, " is on ", t.device(), " but expected ", ref.device());
-  TORCH_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must have unit stride along hidden");
+void check_rows_cuda(const Tensor& t, const char* name, const Tensor& ref) {
+  FM_CHECK(t.is_cuda(), "fused_mlp: ", name, " must be a CUDA tensor");
+  FM_CHECK(same_cuda_device(t, ref), "fused_mlp: ", name, " is on ", device_str(t), " but expected ", device_str(ref));
+  FM_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
+  FM_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must have unit stride along hidden");
 }
 
-bool is_base_or_f32(at::ScalarType t, at::ScalarType base) { return t == base || t == at::kFloat; }
+bool is_base_or_f32(ScalarType t, ScalarType base) { return t == base || t == kFloat; }
 
 // Host dispatch of the base (x) dtype and of a dtype that is the base or fp32.
 template <typename F>
-void dispatch_base(at::ScalarType t, F&& f) { dispatch_float(t, "x", std::forward<F>(f)); }
+void dispatch_base(ScalarType t, F&& f) { dispatch_float(t, "x", std::forward<F>(f)); }
 
 template <typename TB, typename F>
 void dispatch_b_or_f32(bool f32, F&& f) {
@@ -1090,55 +1089,59 @@ template <int... Is, typename F>
 void dispatch_int(int v, F&& f) {
   bool done = false;
   ((v == Is && !done ? (f(std::integral_constant<int, Is>{}), done = true) : false), ...);
-  TORCH_CHECK(done, "fused_mlp: internal error: unsupported config value ", v);
+  FM_CHECK(done, "fused_mlp: internal error: unsupported config value ", v);
 }
 
 }  // namespace
 }  // namespace fused_mlp::cuda
 
 using namespace fused_mlp::cuda;
+using fused_mlp::kBFloat16;
+using fused_mlp::kFloat;
+using fused_mlp::kHalf;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
-    double eps, double offset, at::ScalarType out_dtype, std::optional<at::ScalarType> residual_dtype) {
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
+    const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
   // [..., N] inputs are viewed as [M, N] rows here (cheap in C++); outputs take x's shape.
-  TORCH_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
-  const at::Tensor x = as_rows_view(x_in);
-  const std::optional<at::Tensor> residual =
-      residual_in.has_value() ? std::optional<at::Tensor>(as_rows_view(*residual_in)) : std::nullopt;
+  FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
+  const Tensor x = as_rows_view(x_in);
+  const std::optional<Tensor> residual =
+      residual_in.has_value() ? std::optional<Tensor>(as_rows_view(*residual_in)) : std::nullopt;
   check_rows_cuda(x, "x", x);
   const int64_t M = x.size(0), N = x.size(1);
-  TORCH_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
-  const at::ScalarType xt = x.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16,
-              "fused_mlp: x must be float32/float16/bfloat16, got ", xt);
-  const at::ScalarType h_dtype = residual_dtype.value_or(xt);
-  TORCH_CHECK(is_base_or_f32(h_dtype, xt), "fused_mlp: residual_dtype must be x's dtype or float32, got ", h_dtype);
-  TORCH_CHECK(is_base_or_f32(out_dtype, xt), "fused_mlp: out_dtype must be x's dtype or float32, got ", out_dtype);
+  FM_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
+  const ScalarType xt = x.scalar_type();
+  FM_CHECK(xt == kFloat || xt == kHalf || xt == kBFloat16,
+           "fused_mlp: x must be float32/float16/bfloat16, got ", xt);
+  const ScalarType h_dtype = residual_dtype.value_or(xt);
+  FM_CHECK(is_base_or_f32(h_dtype, xt), "fused_mlp: residual_dtype must be x's dtype or float32, got ", h_dtype);
+  FM_CHECK(is_base_or_f32(out_dtype, xt), "fused_mlp: out_dtype must be x's dtype or float32, got ", out_dtype);
   if (residual.has_value()) {
     check_rows_cuda(*residual, "residual", x);
-    TORCH_CHECK(residual_in->sizes() == x_in.sizes(), "fused_mlp: residual shape ", residual_in->sizes(),
-                " != x shape ", x_in.sizes());
-    TORCH_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype ", residual->scalar_type(),
-                " must equal residual_dtype ", h_dtype);
+    FM_CHECK(fused_mlp::same_shape(*residual_in, x_in), "fused_mlp: residual shape ", fused_mlp::shape_str(*residual_in),
+             " != x shape ", fused_mlp::shape_str(x_in));
+    FM_CHECK(residual->scalar_type() == h_dtype, "fused_mlp: residual dtype ", residual->scalar_type(),
+             " must equal residual_dtype ", h_dtype);
   }
   if (weight.has_value()) {
-    TORCH_CHECK(weight->is_cuda() && weight->device() == x.device(), "fused_mlp: weight must be on ", x.device());
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be contiguous [", N, "]");
-    TORCH_CHECK(is_base_or_f32(weight->scalar_type(), xt), "fused_mlp: weight must be x's dtype or float32, got ",
-                weight->scalar_type());
+    FM_CHECK(same_cuda_device(*weight, x), "fused_mlp: weight must be on ", device_str(x));
+    FM_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+             "fused_mlp: weight must be contiguous [", N, "]");
+    FM_CHECK(is_base_or_f32(weight->scalar_type(), xt), "fused_mlp: weight must be x's dtype or float32, got ",
+             weight->scalar_type());
   }
-  c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty(x_in.sizes(), x.options().dtype(out_dtype));
-  auto h = residual.has_value() ? at::empty(x_in.sizes(), x.options().dtype(h_dtype)) : at::empty({0}, x.options());
-  auto rstd = at::empty({M}, x.options().dtype(at::kFloat));
+  DeviceGuard guard(x);
+  auto y = fused_mlp::empty(fused_mlp::sizes_of(x_in), out_dtype, x);
+  auto h = residual.has_value() ? fused_mlp::empty(fused_mlp::sizes_of(x_in), h_dtype, x)
+                                : fused_mlp::empty({0}, xt, x);
+  auto rstd = fused_mlp::empty({M}, kFloat, x);
   if (M == 0) return {y, h, rstd};
 
-  const int dev = x.get_device();
+  const int dev = device_index(x);
   const DeviceInfo& info = device_info(dev);
   const Tuning& tune = tuning();
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto stream = current_stream(x);
   const bool has_res = residual.has_value();
 
   FwdArgs a{};
@@ -1149,13 +1152,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
   a.h = has_res ? h.data_ptr() : nullptr;
   a.w = weight.has_value() ? weight->const_data_ptr() : nullptr;
   a.y = y.data_ptr();
-  a.rstd = rstd.data_ptr<float>();
+  a.rstd = static_cast<float*>(rstd.data_ptr());
   a.M = M;
   a.N = N;
   a.eps = static_cast<float>(eps);
   a.offset = static_cast<float>(offset);
-  a.w_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
-  a.y_f32 = out_dtype == at::kFloat;
+  a.w_f32 = weight.has_value() && weight->scalar_type() == kFloat;
+  a.y_f32 = out_dtype == kFloat;
   a.vec_ok = rows_aligned16(x) && out_rows_aligned16(y, M, N) &&
              (!has_res || (rows_aligned16(*residual) && out_rows_aligned16(h, M, N))) &&
              (a.w == nullptr || ptr_aligned16(a.w));
@@ -1216,9 +1219,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
             }
             rms_norm_fwd_rows_kernel<TX, TH, RES, ITERS>
                 <<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            FM_KERNEL_LAUNCH_CHECK();
           } else {
-            TORCH_CHECK(false, "fused_mlp: internal error: rms_norm fwd config exceeds the register budget");
+            FM_CHECK(false, "fused_mlp: internal error: rms_norm fwd config exceeds the register budget");
           }
         });
       } else {
@@ -1234,67 +1237,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(
         const int grid = static_cast<int>(std::min<int64_t>(M, static_cast<int64_t>(info.sms) * occ));
         rms_norm_fwd_wide_kernel<TX, TH, RES>
             <<<grid, threads, static_cast<size_t>(a.cache ? cache_smem : 0), stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        FM_KERNEL_LAUNCH_CHECK();
       }
     };
     if (!has_res) {
       run(TX{}, std::false_type{});
     } else {
-      dispatch_b_or_f32<TX>(h_dtype == at::kFloat, [&](auto htag) { run(htag, std::true_type{}); });
+      dispatch_b_or_f32<TX>(h_dtype == kFloat, [&](auto htag) { run(htag, std::true_type{}); });
     }
   });
   return {y, h, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
-    const at::Tensor& dy, const at::Tensor& h, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& dh_extra, double offset, at::ScalarType dx_dtype, bool compute_dw) {
+std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
+    const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw) {
   check_rows_cuda(h, "h", h);
   check_rows_cuda(dy, "dy", h);
   const int64_t M = h.size(0), N = h.size(1);
-  TORCH_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
-  TORCH_CHECK(dy.sizes() == h.sizes(), "fused_mlp: dy shape ", dy.sizes(), " != h shape ", h.sizes());
-  TORCH_CHECK(rstd.is_cuda() && rstd.device() == h.device() && rstd.dim() == 1 && rstd.size(0) == M &&
-                  rstd.scalar_type() == at::kFloat && rstd.is_contiguous(),
-              "fused_mlp: rstd must be a contiguous float32 CUDA tensor [", M, "]");
+  FM_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
+  FM_CHECK(fused_mlp::same_shape(dy, h), "fused_mlp: dy shape ", fused_mlp::shape_str(dy), " != h shape ", fused_mlp::shape_str(h));
+  FM_CHECK(same_cuda_device(rstd, h) && rstd.dim() == 1 && rstd.size(0) == M &&
+               rstd.scalar_type() == kFloat && rstd.is_contiguous(),
+           "fused_mlp: rstd must be a contiguous float32 CUDA tensor [", M, "]");
   // Base dtype: the 16-bit dtype among (dx, h, dy, weight), else fp32. Every tensor is the base or fp32.
-  at::ScalarType base = at::kFloat;
-  for (at::ScalarType t : {dx_dtype, h.scalar_type(), dy.scalar_type(),
-                           weight.has_value() ? weight->scalar_type() : at::kFloat,
-                           dh_extra.has_value() ? dh_extra->scalar_type() : at::kFloat})
-    if (t != at::kFloat) base = t;
-  TORCH_CHECK(base == at::kFloat || base == at::kHalf || base == at::kBFloat16,
-              "fused_mlp: rms_norm_bwd dtypes must be float32/float16/bfloat16");
-  TORCH_CHECK(is_base_or_f32(dx_dtype, base) && is_base_or_f32(h.scalar_type(), base) &&
-                  is_base_or_f32(dy.scalar_type(), base),
-              "fused_mlp: rms_norm_bwd mixes 16-bit dtypes (dx ", dx_dtype, ", h ", h.scalar_type(), ", dy ",
-              dy.scalar_type(), "); each must be float32 or one common 16-bit dtype");
+  ScalarType base = kFloat;
+  for (ScalarType t : {dx_dtype, h.scalar_type(), dy.scalar_type(),
+                       weight.has_value() ? weight->scalar_type() : kFloat,
+                       dh_extra.has_value() ? dh_extra->scalar_type() : kFloat})
+    if (t != kFloat) base = t;
+  FM_CHECK(base == kFloat || base == kHalf || base == kBFloat16,
+           "fused_mlp: rms_norm_bwd dtypes must be float32/float16/bfloat16");
+  FM_CHECK(is_base_or_f32(dx_dtype, base) && is_base_or_f32(h.scalar_type(), base) &&
+               is_base_or_f32(dy.scalar_type(), base),
+           "fused_mlp: rms_norm_bwd mixes 16-bit dtypes (dx ", dx_dtype, ", h ", h.scalar_type(), ", dy ",
+           dy.scalar_type(), "); each must be float32 or one common 16-bit dtype");
   if (dh_extra.has_value()) {
     check_rows_cuda(*dh_extra, "dh_extra", h);
-    TORCH_CHECK(dh_extra->sizes() == h.sizes(), "fused_mlp: dh_extra shape ", dh_extra->sizes(), " != ", h.sizes());
-    TORCH_CHECK(is_base_or_f32(dh_extra->scalar_type(), base), "fused_mlp: dh_extra dtype ",
-                dh_extra->scalar_type(), " must be float32 or ", base);
+    FM_CHECK(fused_mlp::same_shape(*dh_extra, h), "fused_mlp: dh_extra shape ", fused_mlp::shape_str(*dh_extra), " != ", fused_mlp::shape_str(h));
+    FM_CHECK(is_base_or_f32(dh_extra->scalar_type(), base), "fused_mlp: dh_extra dtype ",
+             dh_extra->scalar_type(), " must be float32 or ", base);
   }
   if (weight.has_value()) {
-    TORCH_CHECK(weight->is_cuda() && weight->device() == h.device(), "fused_mlp: weight must be on ", h.device());
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
-                "fused_mlp: weight must be contiguous [", N, "]");
-    TORCH_CHECK(is_base_or_f32(weight->scalar_type(), base), "fused_mlp: weight dtype ", weight->scalar_type(),
-                " must be float32 or ", base);
+    FM_CHECK(same_cuda_device(*weight, h), "fused_mlp: weight must be on ", device_str(h));
+    FM_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
+             "fused_mlp: weight must be contiguous [", N, "]");
+    FM_CHECK(is_base_or_f32(weight->scalar_type(), base), "fused_mlp: weight dtype ", weight->scalar_type(),
+             " must be float32 or ", base);
   }
-  c10::cuda::CUDAGuard guard(h.device());
+  DeviceGuard guard(h);
   const bool want_dw = compute_dw && weight.has_value();
-  auto dx = at::empty({M, N}, h.options().dtype(dx_dtype));
+  auto dx = fused_mlp::empty({M, N}, dx_dtype, h);
   if (M == 0 || N == 0) {
-    at::Tensor dw = want_dw ? at::zeros({N}, weight->options()) : at::empty({0}, h.options());
+    Tensor dw = want_dw ? fused_mlp::zeros({N}, weight->scalar_type(), *weight)
+                        : fused_mlp::empty({0}, h.scalar_type(), h);
     return {dx, dw};
   }
-  at::Tensor dw = want_dw ? at::empty({N}, weight->options()) : at::empty({0}, h.options());
+  Tensor dw = want_dw ? fused_mlp::empty({N}, weight->scalar_type(), *weight)
+                      : fused_mlp::empty({0}, h.scalar_type(), h);
 
-  const int dev = h.get_device();
+  const int dev = device_index(h);
   const DeviceInfo& info = device_info(dev);
   const Tuning& tune = tuning();
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto stream = current_stream(h);
   const bool has_extra = dh_extra.has_value();
 
   BwdArgs a{};
@@ -1302,7 +1307,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
   a.dy_stride = dy.stride(0);
   a.h = h.const_data_ptr();
   a.h_stride = h.stride(0);
-  a.rstd = rstd.const_data_ptr<float>();
+  a.rstd = static_cast<const float*>(rstd.const_data_ptr());
   a.w = weight.has_value() ? weight->const_data_ptr() : nullptr;
   a.extra = has_extra ? dh_extra->const_data_ptr() : nullptr;
   a.extra_stride = has_extra ? dh_extra->stride(0) : 0;
@@ -1311,13 +1316,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
   a.M = M;
   a.N = N;
   a.offset = static_cast<float>(offset);
-  a.w_f32 = weight.has_value() && weight->scalar_type() == at::kFloat;
-  a.extra_f32 = has_extra && dh_extra->scalar_type() == at::kFloat;
-  a.dx_f32 = dx_dtype == at::kFloat;
+  a.w_f32 = weight.has_value() && weight->scalar_type() == kFloat;
+  a.extra_f32 = has_extra && dh_extra->scalar_type() == kFloat;
+  a.dx_f32 = dx_dtype == kFloat;
   a.vec_ok = rows_aligned16(h) && rows_aligned16(dy) && rows_aligned16(dx) &&
              (!has_extra || rows_aligned16(*dh_extra)) && (a.w == nullptr || ptr_aligned16(a.w)) &&
              (!want_dw || ptr_aligned16(a.dw));
-  at::Tensor partial;
+  Tensor partial;
   int partial_rows = 0;
 
   dispatch_base(base, [&](auto xtag) {
@@ -1325,9 +1330,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
     constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
     const int64_t NV = (N + VEC - 1) / VEC;
     a.pstride = NV * VEC;  // a multiple of VEC (and of 4): partial rows are 16-byte aligned
-    dispatch_b_or_f32<TX>(h.scalar_type() == at::kFloat, [&](auto htag) {
+    dispatch_b_or_f32<TX>(h.scalar_type() == kFloat, [&](auto htag) {
       using TH = decltype(htag);
-      dispatch_b_or_f32<TX>(dy.scalar_type() == at::kFloat, [&](auto dtag) {
+      dispatch_b_or_f32<TX>(dy.scalar_type() == kFloat, [&](auto dtag) {
         using TD = decltype(dtag);
         constexpr int kMaxIters = bwd_max_iters<TX, TH, TD>();
         const int64_t row_bytes = NV * VEC *
@@ -1380,19 +1385,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
               }
               if (!a.prefetch) {
                 const int occ = blocks_per_sm(kern, c.threads(), smem, dev);
-                TORCH_CHECK(occ > 0, "fused_mlp: internal error: rms_norm bwd config does not fit (N=", N, ")");
+                FM_CHECK(occ > 0, "fused_mlp: internal error: rms_norm bwd config does not fit (N=", N, ")");
                 grid = static_cast<int>(std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ));
               }
               partial_rows = grid;
               a.direct_dw = want_dw && grid == 1;
               if (want_dw && !a.direct_dw) {
-                partial = at::empty({partial_rows, a.pstride}, h.options().dtype(at::kFloat));
-                a.partial = partial.data_ptr<float>();
+                partial = fused_mlp::empty({partial_rows, a.pstride}, kFloat, h);
+                a.partial = static_cast<float*>(partial.data_ptr());
               }
               rms_norm_bwd_rows_kernel<TX, TH, TD, ITERS><<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
+              FM_KERNEL_LAUNCH_CHECK();
             } else {
-              TORCH_CHECK(false, "fused_mlp: internal error: rms_norm bwd config exceeds the register budget");
+              FM_CHECK(false, "fused_mlp: internal error: rms_norm bwd config exceeds the register budget");
             }
           });
         } else {
@@ -1408,12 +1413,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
           const int grid = static_cast<int>(std::min<int64_t>(M, static_cast<int64_t>(info.sms) * occ));
           partial_rows = grid;
           if (want_dw) {
-            partial = at::empty({partial_rows, a.pstride}, h.options().dtype(at::kFloat));
-            a.partial = partial.data_ptr<float>();
+            partial = fused_mlp::empty({partial_rows, a.pstride}, kFloat, h);
+            a.partial = static_cast<float*>(partial.data_ptr());
           }
           rms_norm_bwd_wide_kernel<TX, TH, TD>
               <<<grid, threads, static_cast<size_t>(a.dw_smem ? dw_smem : 0), stream>>>(a);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          FM_KERNEL_LAUNCH_CHECK();
         }
       });
     });
@@ -1425,7 +1430,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(
       const int blocks = static_cast<int>((N + 31) / 32);
       rms_norm_dw_column_sum_kernel<TW><<<blocks, 256, 0, stream>>>(a.partial, a.pstride, partial_rows, N,
                                                                     static_cast<TW*>(dw.data_ptr()));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      FM_KERNEL_LAUNCH_CHECK();
     });
   }
   return {dx, dw};
