@@ -10,6 +10,7 @@ backward uncast. Runs on the CPU here and on the GPU machine (CUDA-only tests sk
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -694,3 +695,53 @@ def test_inplace_on_output_is_allowed(fm, device, act):
         (_act64(F.linear(xr, wr, br), act) * 2 + 1).sum().backward()
         for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+# ---- no memory kept across calls ----------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_cpu_calls_keep_no_memory(fm):
+    """Forward and backward on the CPU (bf16: an fp32 accumulator and fp32 GEMMs each call) 60 times: resident
+    memory must not grow by the ~4 MB per call a leaked temporary would keep (the first stable-ABI build leaked the
+    result handle of every `mm.out` call)."""
+    x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):  # warm-up: allocator pools, thread pools
+        fm.linear(x, w).float().sum().backward()
+    before = _rss_bytes()
+    for _ in range(60):
+        fm.linear(x, w).float().sum().backward()
+    grown = _rss_bytes() - before
+    assert grown < 64 * 2**20, f"resident memory grew by {grown / 2**20:.0f} MiB over 60 calls"
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [0, 2])
+def test_cuda_calls_keep_no_memory(fm, mode):
+    """The same on the GPU, on the cuBLASLt path and on the torch-mm fallbacks (mode 2): the caching allocator's
+    count of allocated bytes returns to where it was."""
+    ops = fm._ops.ops
+    x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(640, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(640, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    prev = ops._addmm_lt_force_fallback(mode)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fm.linear(x, w, b, activation="gelu").float().sum().backward()
+            x.grad = w.grad = b.grad = None
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            for _ in range(10):
+                fm.linear(x, w, b, activation="gelu").float().sum().backward()
+                x.grad = w.grad = b.grad = None
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == before
+    finally:
+        ops._addmm_lt_force_fallback(prev)

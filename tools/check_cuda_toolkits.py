@@ -6,6 +6,7 @@ checks exactly what the build compiles.
     python tools/check_cuda_toolkits.py                       # CUDA 13.0 and 12.9, every capability
     python tools/check_cuda_toolkits.py --capabilities 9.0    # one capability (what .ci/run does)
     python tools/check_cuda_toolkits.py --toolkit 12.9        # one toolkit
+    python tools/check_cuda_toolkits.py --abi stable          # only the stable-ABI compile (default: both)
 
 Toolkits:
   13.0  the system toolkit (CUDA_HOME, else nvcc on PATH, else /usr/local/cuda): a real CUDA 13.0 compile.
@@ -140,10 +141,12 @@ def pip_headers_129(base: Toolkit) -> Toolkit:
     return Toolkit("12.9", base.tc, incs, f"CUDA 12.9 headers (PyPI) with the {base.name} compiler")
 
 
-def compile_one(cfg, tk: Toolkit, caps: list[str], src: Path, out_dir: Path) -> tuple[Path, bool, str, float]:
-    flags = build.compile_flags(cfg, "cuda", tk.tc, caps, extra_cuda_includes=tk.extra_includes)
+def compile_one(cfg, tk: Toolkit, caps: list[str], src: Path, out_dir: Path,
+                stable_abi: str | None = None) -> tuple[Path, bool, str, float]:
+    flags = build.compile_flags(cfg, "cuda", tk.tc, caps, extra_cuda_includes=tk.extra_includes,
+                                stable_abi=stable_abi)
     gen = out_dir / "gen"
-    obj = out_dir / (src.name + ".o")
+    obj = out_dir / (src.name + (".stable" if stable_abi else "") + ".o")
     cmd = [tk.tc.nvcc, *" ".join(flags.nvcc).split(), *build.source_includes(cfg, src, "cuda", gen),
            "-c", str(src), "-o", str(obj)]
     t0 = time.monotonic()
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="toolkit(s) to check (default: both)")
     ap.add_argument("--capabilities", default=None,
                     help="comma-separated subset of build.toml's cuda-capabilities (default: all of them)")
+    ap.add_argument("--abi", choices=["all", "torch", "stable"], default="all",
+                    help="the per-torch compile, the stable-ABI one (build.toml [torch.stable-abi]) or both")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
     args = ap.parse_args(argv)
     try:
@@ -180,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 toolkits.append(system)
         sources = [s for s in build.compiled_sources(cfg, "cuda") if s.suffix == ".cu"]
+        stable = cfg.stable_abi.get("cuda")
+        modes = ([None] if args.abi in ("all", "torch") else []) + ([stable] if args.abi != "torch" and stable else [])
+        if not modes:
+            raise build.BuildError("build.toml sets no [torch.stable-abi] version for cuda")
+        jobs = [(s, m) for m in modes for s in sources]
     except (build.BuildError, BuildConfigError) as e:
         print(f"fused-mlp toolkit check error: {e}", file=sys.stderr)
         return 1
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         (gen / "registration.h").write_text(build.REGISTRATION_H.format(variant="toolkit-check"))
         for tk in toolkits:
             print(f"[toolkits] CUDA {tk.name}: {tk.note}; capabilities {' '.join(caps)}; "
-                  f"{len(sources)} sources, {args.jobs} jobs", flush=True)
+                  f"{len(sources)} sources x {len(modes)} ABI mode(s), {args.jobs} jobs", flush=True)
             t0 = time.monotonic()
             try:
                 probe(tk, cfg, caps, Path(tmp))
@@ -202,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
             out_dir.mkdir()
             (out_dir / "gen").symlink_to(gen)
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-                results = list(pool.map(lambda s: compile_one(cfg, tk, caps, s, out_dir), sources))
-            for src, ok, out, dt in results:
-                rel = src.relative_to(ROOT)
+                results = list(pool.map(lambda j: (compile_one(cfg, tk, caps, j[0], out_dir, j[1]), j[1]), jobs))
+            for (src, ok, out, dt), mode in results:
+                rel = f"{src.relative_to(ROOT)}" + (f" (stable ABI {mode})" if mode else "")
                 print(f"[toolkits]   {'ok  ' if ok else 'FAIL'} {rel} ({dt:.0f} s)", flush=True)
                 if not ok:
                     failed.append((tk.name, rel, out))
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{rel} with CUDA {name}" for name, rel, _ in failed), file=sys.stderr)
         return 1
     print(f"[toolkits] all CUDA sources compile with CUDA {', '.join(t.name for t in toolkits)} "
-          f"for capabilities {' '.join(caps)}")
+          f"for capabilities {' '.join(caps)}" + (" (per-torch and stable-ABI builds)" if len(modes) > 1 else ""))
     return 0
 
 

@@ -8,6 +8,9 @@
 
 #if defined(FUSED_MLP_STABLE_ABI)
 #include <torch/csrc/stable/library.h>
+
+#include <cstdio>
+#include <stdexcept>
 #else
 #include <torch/library.h>
 #endif
@@ -69,13 +72,19 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CompositeImplicitAutograd
 }
 
 // fused_mlp::warn: a Python UserWarning through the limited C API (the stable ABI has no warning shim). Callers
-// may run on an autograd worker thread, so the GIL is taken for the call.
+// may run on an autograd worker thread, so the GIL is taken for the call. A warning filter that turns it into an
+// error makes the op fail, as TORCH_WARN does in the classic build (there as the warning's own exception type,
+// here as a RuntimeError naming it).
 void fused_mlp::warn(const std::string& message) {
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) != 0) {
-    PyErr_Clear();  // warnings turned into errors: the message was reported; the op itself goes on
+  if (!Py_IsInitialized()) {  // interpreter shutting down (or embedding without Python): stderr
+    std::fprintf(stderr, "UserWarning: %s\n", message.c_str());
+    return;
   }
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  const bool raised = PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) != 0;
+  if (raised) PyErr_Clear();
   PyGILState_Release(gil);
+  if (raised) throw std::runtime_error("UserWarning raised as an error: " + message);
 }
 
 #else  // classic API

@@ -171,6 +171,8 @@ inline void mm_out(Tensor& out, const Tensor& a, const Tensor& b) {
   std::array<StableIValue, 3> stack{torch::stable::detail::from(a), torch::stable::detail::from(b),
                                     torch::stable::detail::from(out)};
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
+  // The dispatcher returns `out` as a new owning handle in stack[0]: take it and let it go (else it leaks).
+  (void)torch::stable::detail::to<torch::stable::Tensor>(stack[0]);
 #else
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   at::mm_out(out, a, b);
@@ -210,6 +212,17 @@ inline int64_t num_threads() {
 // decide cheaply; ATen lets those pass as well).
 inline void check_no_overlap(const Tensor& a, const Tensor& b, const char* what) {
 #if defined(FUSED_MLP_STABLE_ABI)
+  // One tensor passed twice (ATen: full overlap, checked first), then dense operands by byte range.
+  FM_CHECK(a.numel() == 0 || b.numel() == 0 || a.const_data_ptr() != b.const_data_ptr() ||
+               fused_mlp::sizes_of(a) != fused_mlp::sizes_of(b) || a.stride(a.dim() - 1) != b.stride(b.dim() - 1) ||
+               a.dim() != b.dim() || [&] {
+                 for (int64_t d = 0; d < a.dim(); ++d)
+                   if (a.stride(d) != b.stride(d)) return true;
+                 return false;
+               }(),
+           "fused_mlp: ", what,
+           ": unsupported operation: some elements of the input tensor and the written-to tensor refer to a single "
+           "memory location");
   if (!a.is_contiguous() || !b.is_contiguous()) return;
   auto span = [](const Tensor& t) -> std::pair<uintptr_t, uintptr_t> {
     if (t.numel() == 0) return {0, 0};

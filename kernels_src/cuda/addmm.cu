@@ -408,25 +408,40 @@ cublasLtHandle_t lt_handle() {
 #endif
 }
 
-// The workspace of one call: torch's own (classic build) or a block of torch's caching allocator held for the call.
+// Bytes of the cuBLASLt workspace: torch's own size (classic build), or the same default in the stable build
+// (CUBLASLT_WORKSPACE_SIZE in KiB, default 1024 KiB), so the heuristic sees what it sees in the classic build and
+// picks the same algorithms. Measured on the H200: with a 32 MiB workspace the heuristic chose, for bf16 D with the
+// BIAS epilogue at M=83, K=128, N=3, an algorithm whose result was not rounded once (max error 0.0142 where one
+// rounding allows 0.0078). (The stable build does not see torch.cuda's runtime workspace setters.)
+size_t lt_workspace_bytes() {
+#if defined(FUSED_MLP_STABLE_ABI)
+  static const size_t bytes = [] {
+    const char* e = std::getenv("CUBLASLT_WORKSPACE_SIZE");
+    const long kib = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+    return static_cast<size_t>(kib > 0 ? kib : 1024) * 1024u;
+  }();
+  return bytes;
+#else
+  return at::cuda::getCUDABlasLtWorkspaceSize();
+#endif
+}
+
+// The workspace of one call: torch's own (classic build) or a block of torch's caching allocator held for the call
+// (stable build; stream-ordered on the current stream, so it stays valid for the asynchronous matmul). If that
+// allocation fails the workspace is empty and `size()` is 0: the caller then asks for an algorithm without one.
 class LtWorkspace {
  public:
-  LtWorkspace() {
+  explicit LtWorkspace(size_t bytes) {
 #if defined(FUSED_MLP_STABLE_ABI)
-    // torch's size for its own cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE in KiB, default 1024 KiB), so the
-    // heuristic sees what it sees in the classic build and picks the same algorithms. Measured on the H200: with a
-    // 32 MiB workspace the heuristic chose, for bf16 D with the BIAS epilogue at M=83, K=128, N=3, an algorithm
-    // whose result was not rounded once (max error 0.0142 where one rounding allows 0.0078).
-    static const size_t kBytes = [] {
-      const char* e = std::getenv("CUBLASLT_WORKSPACE_SIZE");
-      long kib = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
-      return static_cast<size_t>(kib > 0 ? kib : 1024) * 1024u;
-    }();
-    size_ = kBytes;
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_cuda_caching_allocator_raw_alloc(size_, &ptr_));
+    if (aoti_torch_cuda_caching_allocator_raw_alloc(bytes, &ptr_) == AOTI_TORCH_SUCCESS && ptr_ != nullptr) {
+      size_ = bytes;
+    } else {
+      ptr_ = nullptr;
+      (void)cudaGetLastError();
+    }
 #else
     ptr_ = at::cuda::getCUDABlasLtWorkspace();
-    size_ = at::cuda::getCUDABlasLtWorkspaceSize();
+    size_ = bytes;
 #endif
   }
   ~LtWorkspace() {
@@ -559,10 +574,7 @@ void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHand
 // Runs one GEMM through cuBLASLt on the current stream. false = cuBLASLt has no algorithm or failed (the caller
 // falls back; nothing was written that the fallback does not overwrite).
 bool lt_gemm(const LtGemm& g) {
-  const LtWorkspace ws;
-  const size_t workspace = ws.size();
-  const cublasLtHandle_t handle = lt_handle();
-  const cudaStream_t stream = stream_here();
+  const size_t workspace_bytes = lt_workspace_bytes();
   PlanKey key{};
   key[kDevice] = current_device();
   key[kAbType] = static_cast<int64_t>(g.ab_type);
@@ -582,14 +594,19 @@ bool lt_gemm(const LtGemm& g) {
   key[kAlignD] = alignment_of(g.d);
   key[kAlignBias] = g.bias != nullptr ? alignment_of(g.bias) : 0;
   key[kAlignAux] = g.aux != nullptr ? alignment_of(g.aux) : 0;
-  key[kWorkspace] = static_cast<int64_t>(workspace);
+  key[kWorkspace] = static_cast<int64_t>(workspace_bytes);
 
   PlanTable& table = plan_table();
   auto it = table.find(key);
+  if (it != table.end() && !it->second->ok) return false;  // cuBLASLt refused this configuration before
+  const LtWorkspace ws(workspace_bytes);
+  if (ws.size() != workspace_bytes) return false;  // no workspace to be had: the caller's fallback runs
+  const size_t workspace = ws.size();
+  const cublasLtHandle_t handle = lt_handle();
+  const cudaStream_t stream = stream_here();
   Plan* plan;
   if (it != table.end()) {
     plan = it->second.get();
-    if (!plan->ok) return false;
     if (!set_pointer_attrs(*plan, g)) return false;
   } else {
     if (table.size() >= kMaxPlans) table.clear();
