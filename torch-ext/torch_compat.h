@@ -149,6 +149,14 @@ inline Tensor reshape(const Tensor& t, const Sizes& sizes) {
 #endif
 }
 
+// [..., N] -> [M, N] (a view whenever the strides allow; the Python side passes 2-D views or contiguous tensors).
+inline Tensor as_rows_view(const Tensor& t) {
+  if (t.dim() == 2) return t;
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
+  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
+}
+
 inline void zero_(Tensor& t) {
 #if defined(FUSED_MLP_STABLE_ABI)
   torch::stable::zero_(t);

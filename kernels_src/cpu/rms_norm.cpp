@@ -98,15 +98,6 @@ RowsOf<const T> rows_of(const Tensor& t) {
   return {static_cast<const T*>(t.const_data_ptr()), t.stride(0)};
 }
 
-// [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
-// tensors here, so this never copies in practice).
-Tensor as_rows_view(const Tensor& t) {
-  if (t.dim() == 2) return t;
-  int64_t m = 1;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
-  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
-}
-
 // Rows per parallel task: ~32K elements of work per task keeps the pool busy without per-row overhead.
 int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)); }
 
@@ -125,9 +116,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
   // [..., N] inputs are viewed as [M, N] rows here (a C++ view is far cheaper than a Python reshape); outputs
   // take x's shape.
   FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
-  const Tensor x = as_rows_view(x_in);
+  const Tensor x = fused_mlp::as_rows_view(x_in);
   const std::optional<Tensor> residual =
-      residual_in.has_value() ? std::optional<Tensor>(as_rows_view(*residual_in)) : std::nullopt;
+      residual_in.has_value() ? std::optional<Tensor>(fused_mlp::as_rows_view(*residual_in)) : std::nullopt;
   check_rows(x, "x");
   const int64_t M = x.size(0), N = x.size(1);
   const ScalarType xt = x.scalar_type();

@@ -1052,15 +1052,6 @@ bool out_rows_aligned16(const Tensor& t, int64_t M, int64_t N) {
   return (p & 15) == 0 && (M <= 1 || (N * t.element_size()) % 16 == 0);
 }
 
-// [..., N] -> [M, N] (a view whenever the strides allow: the Python side only passes 2-D views or contiguous
-// tensors here, so this never copies in practice).
-Tensor as_rows_view(const Tensor& t) {
-  if (t.dim() == 2) return t;
-  int64_t m = 1;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
-  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
-}
-
 bool ptr_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 void check_rows_cuda(const Tensor& t, const char* name, const Tensor& ref) {
@@ -1105,9 +1096,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
     double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
   // [..., N] inputs are viewed as [M, N] rows here (cheap in C++); outputs take x's shape.
   FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
-  const Tensor x = as_rows_view(x_in);
+  const Tensor x = fused_mlp::as_rows_view(x_in);
   const std::optional<Tensor> residual =
-      residual_in.has_value() ? std::optional<Tensor>(as_rows_view(*residual_in)) : std::nullopt;
+      residual_in.has_value() ? std::optional<Tensor>(fused_mlp::as_rows_view(*residual_in)) : std::nullopt;
   check_rows_cuda(x, "x", x);
   const int64_t M = x.size(0), N = x.size(1);
   FM_CHECK(N <= kMaxN, "fused_mlp: rms_norm supports rows of up to ", kMaxN, " elements, got ", N);
