@@ -134,7 +134,6 @@ std::vector<float> bias_row(const std::optional<Tensor>& bias, int64_t n) {
 }  // namespace fused_mlp::cpu
 
 using namespace fused_mlp::cpu;
-using fused_mlp::kFloat;
 namespace fm = fused_mlp;
 
 std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, const Tensor& mat1,

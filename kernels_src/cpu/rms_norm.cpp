@@ -108,7 +108,6 @@ constexpr int64_t kMaxDwChunks = 64;
 }  // namespace fused_mlp::cpu
 
 using namespace fused_mlp::cpu;
-using fused_mlp::kFloat;
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
     const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,

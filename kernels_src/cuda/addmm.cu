@@ -315,6 +315,8 @@ struct LtGemm {
   const void* bias = nullptr;  // [m], D's dtype, 16-byte aligned (BIAS epilogues only)
   void* aux = nullptr;         // like D, ld aux_ld (AUX epilogues only)
   int64_t aux_ld = 0;
+  int device = 0;                // the entry point's device (its guard makes it current) and torch's stream there
+  cudaStream_t stream = nullptr;
 };
 
 // Everything the descriptors and the heuristic's choice depend on, as plain int64 fields (no padding to compare).
@@ -373,29 +375,12 @@ PlanTable& plan_table() {
   return table;
 }
 
-// ---- handle, workspace and stream of one cuBLASLt call ----
-int current_device() {
-  int dev = 0;
-  FM_CUDA_CHECK(cudaGetDevice(&dev));
-  return dev;
-}
-
-cudaStream_t stream_here() {  // torch's current stream on the current device (the entry points set it)
-#if defined(FUSED_MLP_STABLE_ABI)
-  void* s = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(current_device(), &s));
-  return static_cast<cudaStream_t>(s);
-#else
-  return c10::cuda::getCurrentCUDAStream();
-#endif
-}
-
-cublasLtHandle_t lt_handle() {
+// ---- handle and workspace of one cuBLASLt call ----
+cublasLtHandle_t lt_handle([[maybe_unused]] int dev) {
 #if defined(FUSED_MLP_STABLE_ABI)
   constexpr int kMaxDevices = 64;
   static std::mutex mu;
   static cublasLtHandle_t handles[kMaxDevices] = {};
-  const int dev = current_device();
   FM_CHECK(dev >= 0 && dev < kMaxDevices, "fused_mlp: device index ", dev, " out of range");
   std::lock_guard<std::mutex> lock(mu);
   if (handles[dev] == nullptr) {
@@ -576,7 +561,7 @@ void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHand
 bool lt_gemm(const LtGemm& g) {
   const size_t workspace_bytes = lt_workspace_bytes();
   PlanKey key{};
-  key[kDevice] = current_device();
+  key[kDevice] = g.device;
   key[kAbType] = static_cast<int64_t>(g.ab_type);
   key[kDType] = static_cast<int64_t>(g.d_type);
   key[kTransA] = g.trans_a;
@@ -602,8 +587,8 @@ bool lt_gemm(const LtGemm& g) {
   const LtWorkspace ws(workspace_bytes);
   if (ws.size() != workspace_bytes) return false;  // no workspace to be had: the caller's fallback runs
   const size_t workspace = ws.size();
-  const cublasLtHandle_t handle = lt_handle();
-  const cudaStream_t stream = stream_here();
+  const cublasLtHandle_t handle = lt_handle(g.device);
+  const cudaStream_t stream = g.stream;
   Plan* plan;
   if (it != table.end()) {
     plan = it->second.get();
@@ -735,6 +720,8 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   const Tensor mat1 = as_gemm_rows(mat1_in);
   const Mat2 w = prepare_mat2(mat2_in);
   LtGemm g;
+  g.device = device_index(mat1_in);
+  g.stream = stream;
   g.a = w.t.const_data_ptr();
   g.lda = w.ld;
   g.trans_a = w.col_major;
@@ -887,6 +874,8 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
   const int64_t ldz = gemm_ld(dz);
   if (need_dx) {  // dX^T (K x M) = op(mat2) (K x N) * dZ^T (N x M)
     LtGemm g;
+    g.device = device_index(mat1_in);
+    g.stream = stream;
     g.a = w.t.const_data_ptr();
     g.lda = w.ld;
     g.trans_a = !w.col_major;
@@ -907,6 +896,8 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
   }
   if (need_dw) {
     LtGemm g;
+    g.device = device_index(mat1_in);
+    g.stream = stream;
     g.ab_type = T;
     g.d_type = T;
     g.d = dw.data_ptr();

@@ -1087,9 +1087,6 @@ void dispatch_int(int v, F&& f) {
 }  // namespace fused_mlp::cuda
 
 using namespace fused_mlp::cuda;
-using fused_mlp::kBFloat16;
-using fused_mlp::kFloat;
-using fused_mlp::kHalf;
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
     const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
