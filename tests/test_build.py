@@ -188,3 +188,34 @@ def test_stable_abi_variants_planned_from_build_toml():
     flags = build.compile_flags(cfg, "cpu", tc, [], stable_abi="2.10")
     assert "-DTORCH_TARGET_VERSION=0x020A000000000000" in flags.cxx
     assert not any("TORCH_TARGET_VERSION" in f for f in build.compile_flags(cfg, "cpu", tc, []).cxx)
+
+
+def test_per_source_capabilities_and_the_sm90a_kernel(monkeypatch):
+    """Each .cu is compiled for its own section's capabilities (the CUTLASS GEMM-epilogue kernel for 9.0a only, the
+    others without it); naming "9.0" in FUSED_MLP_CUDA_CAPABILITIES keeps "9.0a"; a build without any of a source's
+    capabilities compiles its host code only (-DFUSED_MLP_NO_ARCH); the CUTLASS headers come from nvidia-cutlass."""
+    import build
+
+    cfg = load_build_config(ROOT / "build.toml")
+    gated = ROOT / "kernels_src" / "cuda" / "gated_gemm_sm90.cu"
+    geglu = ROOT / "kernels_src" / "cuda" / "geglu.cu"
+    assert cfg.source_capabilities(gated) == ["9.0a"]
+    monkeypatch.setenv(build.CAPS_ENV, "9.0")
+    caps = build.narrow_capabilities(cfg.cuda_capabilities())
+    assert caps == ["9.0", "9.0a"]
+    base = ["-O3", "-gencode=arch=compute_80,code=sm_80"]
+    g = build.source_nvcc_flags(cfg, gated, caps, base)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in g and "-gencode=arch=compute_90,code=sm_90" not in g
+    assert not any("sm_80" in f for f in g) and "-DFUSED_MLP_NO_ARCH" not in g
+    e = build.source_nvcc_flags(cfg, geglu, caps, base)
+    assert "-gencode=arch=compute_90,code=sm_90" in e and not any("90a" in f for f in e)
+    none = build.source_nvcc_flags(cfg, gated, ["8.0"], base)
+    assert "-DFUSED_MLP_NO_ARCH" in none and "-gencode=arch=compute_80,code=sm_80" in none
+    assert any(d.startswith("cutlass_") for d in cfg.source_depends(gated, "cuda"))
+    try:
+        inc = build.cutlass_include()
+    except build.BuildError as err:  # nvidia-cutlass not installed: the error says how to get it
+        assert "nvidia-cutlass" in str(err)
+    else:
+        assert (inc / "cute" / "tensor.hpp").exists()
+        assert str(inc) in build.source_includes(cfg, gated, "cuda", ROOT)

@@ -151,7 +151,7 @@ def test_metadata_and_digest():
         assert meta.id.startswith("_fused_mlp_") and (v / f"{meta.id}.abi3.so").exists()
         assert raw["backend"]["type"] in ("cpu", "cuda")
         if raw["backend"]["type"] == "cuda":
-            assert meta.backend.archs and all(a in ("8.0", "9.0", "10.0", "12.0") for a in meta.backend.archs)
+            assert meta.backend.archs and all(a in ("8.0", "9.0", "9.0a", "10.0", "12.0") for a in meta.backend.archs)
         assert meta.digest is not None
         meta.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, str(v)))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -223,15 +224,46 @@ def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "a
     return variants
 
 
+def cap_base(c: str) -> str:
+    """"9.0a" -> "9.0": the capability an arch-specific ("a") or family ("f") target belongs to."""
+    return re.sub(r"[af]?(\+PTX)?$", "", c)
+
+
 def narrow_capabilities(all_caps: list[str]) -> list[str]:
+    """build.toml's capabilities cut to those FUSED_MLP_CUDA_CAPABILITIES names; naming "9.0" keeps "9.0a" too."""
     env = os.environ.get(CAPS_ENV, "").replace(";", ",").replace(" ", ",")
     wanted = [c for c in env.split(",") if c]
     if not wanted:
         return all_caps
-    unknown = [c for c in wanted if c not in all_caps]
+    unknown = [c for c in wanted if c not in all_caps and c not in {cap_base(a) for a in all_caps}]
     if unknown:
         raise BuildError(f"{CAPS_ENV} names {unknown}, not in build.toml's cuda-capabilities {all_caps}")
-    return [c for c in all_caps if c in wanted]
+    return [c for c in all_caps if c in wanted or cap_base(c) in wanted]
+
+
+def source_nvcc_flags(cfg: BuildConfig, src: Path, variant_caps: list[str], nvcc_flags: list[str]) -> list[str]:
+    """The variant's nvcc flags for one .cu source: -gencode for the capabilities of the build.toml section(s)
+    that list it (as kernel-builder compiles each kernel for its own list), cut to the variant's. A source none of
+    whose capabilities is in the build is still compiled (the binding links its entry points) for the variant's
+    capabilities, with -DFUSED_MLP_NO_ARCH: it must then compile its host code only and report that at run time."""
+    own = [c for c in variant_caps if c in set(cfg.source_capabilities(src))]
+    rest = [f for f in nvcc_flags if not f.startswith("-gencode=")]
+    if own:
+        return rest + gencode_flags(own)
+    plain = [c for c in variant_caps if c == cap_base(c)] or variant_caps
+    return rest + gencode_flags(plain) + ["-DFUSED_MLP_NO_ARCH"]
+
+
+def cutlass_include() -> Path:
+    """CUTLASS's headers, from the nvidia-cutlass registry package (tools/requirements.txt pins it)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError("a kernel depends on CUTLASS but the nvidia-cutlass package is not installed "
+                         "(pip install -r tools/requirements.txt)")
+    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    if not (inc / "cutlass" / "cutlass.h").exists():
+        raise BuildError(f"nvidia-cutlass is installed but has no headers at {inc}")
+    return inc
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -403,7 +435,10 @@ def source_includes(cfg: BuildConfig, src: Path, backend: str, gen: Path) -> lis
     dirs = cfg.include_dirs_for(src, backend)
     if src in cfg.torch_src:
         dirs = [gen, *dirs]
-    return [f"-I{d}" for d in dirs]
+    flags = [f"-I{d}" for d in dirs]
+    if any(d.startswith("cutlass_") for d in cfg.source_depends(src, backend)):
+        flags += ["-isystem", str(cutlass_include())]  # kernel-builder: the cutlass_<X_Y> dependency's headers
+    return flags
 
 
 def compiled_sources(cfg: BuildConfig, backend: str) -> list[Path]:
@@ -454,6 +489,8 @@ def write_ninja(cfg: BuildConfig, v: Variant, tc: Toolchain, work: Path) -> Path
         objs.append(obj)
         lines.append(f"build {_esc(obj)}: {rule} {_esc(src)}")
         lines.append(f"  incs = {' '.join(source_includes(cfg, src, v.backend, gen))}")
+        if rule == "nvcc":
+            lines.append(f"  nvccflags = {' '.join(source_nvcc_flags(cfg, src, v.capabilities, flags.nvcc))}")
         if src in cfg.torch_src:
             lines.append(f"  defs = -DTORCH_EXTENSION_NAME={v.namespace}")
     so = work / f"{v.namespace}.abi3.so"

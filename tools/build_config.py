@@ -111,6 +111,22 @@ class BuildConfig:
                 dirs += [d for d in k.include if d not in dirs]
         return dirs
 
+    def source_capabilities(self, src: Path) -> list[str]:
+        """The cuda-capabilities of the CUDA section(s) that list `src`."""
+        caps: list[str] = []
+        for k in self.kernels:
+            if k.backend == "cuda" and src in k.src:
+                caps += [c for c in k.cuda_capabilities if c not in caps]
+        return caps
+
+    def source_depends(self, src: Path, backend: str) -> list[str]:
+        """The `depends` of the `backend` section(s) that list `src`."""
+        deps: list[str] = []
+        for k in self.kernels:
+            if k.backend == backend and src in k.src:
+                deps += [d for d in k.depends if d not in deps]
+        return deps
+
     def cuda_capabilities(self) -> list[str]:
         caps: list[str] = []
         for k in self.kernels:
