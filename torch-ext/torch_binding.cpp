@@ -35,7 +35,13 @@
      (h into dh, dgate into gate, dup into up); the alias annotations let torch.compile functionalize it. */    \
   ops.def("geglu_fwd(Tensor gate, Tensor up, str activation) -> Tensor");                                        \
   ops.def("geglu_bwd(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");                   \
-  ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()")
+  ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");                  \
+  /* GeGLU MLP GEMMs with the gated activation in the epilogue (CUDA sm_90 only; kernels_src/cuda/               \
+     gated_gemm_sm90.cu). fwd: (h, gate, up), gate/up empty unless save_preact. bwd_: returns h, writes dgate    \
+     over gate and dup over up. */                                                                               \
+  ops.def("gated_gemm_fwd(Tensor x, Tensor w_gate, Tensor w_up, str activation, bool save_preact) "              \
+          "-> (Tensor, Tensor, Tensor)");                                                                        \
+  ops.def("gated_gemm_bwd_(Tensor dy, Tensor w_down, Tensor(a!) gate, Tensor(b!) up, str activation) -> Tensor")
 
 #if defined(FUSED_MLP_STABLE_ABI)
 
@@ -63,6 +69,8 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("geglu_fwd", TORCH_BOX(&geglu_fwd_cuda));
   ops.impl("geglu_bwd", TORCH_BOX(&geglu_bwd_cuda));
   ops.impl("geglu_bwd_", TORCH_BOX(&geglu_bwd_inplace_cuda));
+  ops.impl("gated_gemm_fwd", TORCH_BOX(&gated_gemm_fwd_cuda));
+  ops.impl("gated_gemm_bwd_", TORCH_BOX(&gated_gemm_bwd_cuda));
 }
 #endif
 
@@ -108,6 +116,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("geglu_fwd", c10::kCUDA, &geglu_fwd_cuda);
   ops.impl("geglu_bwd", c10::kCUDA, &geglu_bwd_cuda);
   ops.impl("geglu_bwd_", c10::kCUDA, &geglu_bwd_inplace_cuda);
+  ops.impl("gated_gemm_fwd", c10::kCUDA, &gated_gemm_fwd_cuda);
+  ops.impl("gated_gemm_bwd_", c10::kCUDA, &gated_gemm_bwd_cuda);
 #endif
 }
 

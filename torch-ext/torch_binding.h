@@ -91,4 +91,9 @@ std::tuple<Tensor, Tensor> geglu_bwd_cuda(const Tensor& dh, const Tensor& gate, 
                                                   StrArg activation);
 void geglu_bwd_inplace_cuda(const Tensor& dh, const Tensor& gate, const Tensor& up,
                             StrArg activation);
+// GeGLU MLP GEMMs with the activation in the epilogue (sm_90 only; gated_gemm_sm90.cu).
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
+                                                       StrArg activation, bool save_preact);
+Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& gate, const Tensor& up,
+                           StrArg activation);
 #endif

@@ -1,0 +1,697 @@
+// Hopper (sm_90a) GEMMs with the gated activation in the epilogue: the GeGLU MLP's up projection and the
+// backward's dh GEMM, so the [T, I] intermediate is written once per pass and never re-read by a separate kernel.
+//
+//   forward   h = act(x W_g^T) * (x W_u^T)          [T, I], one rounding of the fp32 accumulators; in training
+//             also gate = x W_g^T and up = x W_u^T (rounded once each) for the backward.
+//   backward  dh = dy W_d (fp32, never stored); from the saved gate, up:
+//             h = act(gate) * up, dgate = dh * up * act'(gate), dup = dh * act(gate); dgate and dup are written over
+//             gate and up (each element is read and written by one thread), h into its own buffer (for dW_down).
+//
+// Built on CUTLASS 3 (headers from the nvidia-cutlass registry package): the persistent warp-specialised
+// cooperative kernel (one TMA producer warp, two consumer warpgroups of m64n256k16 WGMMAs, 128x256x64 tiles, a 2x1
+// cluster multicasting B) with its stock sm_90 TMA/WGMMA mainloop, and two pieces of ours:
+//   * DualBMainloop: the stock mainloop with a second B operand. Each stage's 256-row B tile is filled by two
+//     TMA loads of 128 rows, one from W_gate and one from W_up (the module's own tensors, no concatenated copy):
+//     accumulator columns [0, 128) are gate and [128, 256) up for the same 128 output features. The virtual GEMM
+//     is [T, 2I]; the MMA and the pipeline are the stock ones.
+//   * GatedEpilogue: a register epilogue (CUTLASS's "no-smem" adapter) that pairs accumulator column c with c + 128
+//     (the WGMMA accumulator layout gives one thread both, checked at compile time) and stores adjacent output
+//     pairs as 32-bit words.
+// Other architectures never launch these kernels (Python dispatch checks the device; the entry points check it
+// again); on them the cuBLAS path runs. Without sm_90a in the build (FUSED_MLP_NO_ARCH) the entry points report
+// that.
+// Release build of CUTLASS: its device-side assert()s are calls, and a call between WGMMAs makes ptxas serialise
+// the whole WGMMA pipeline (warning C7510).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+// CUTLASS before the torch headers: its templates name `Tensor` unqualified (cute's), and the binding header
+// declares a global one.
+#ifndef FUSED_MLP_NO_ARCH
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cluster_launch.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+#endif
+
+#include "cuda/common.cuh"
+#include "cuda/gated_act.cuh"
+#include "torch_binding.h"
+
+#ifndef FUSED_MLP_NO_ARCH
+
+namespace fm_sm90 {
+
+using fused_mlp::cuda::Act;
+using cute::_1;
+using cute::_2;
+using cute::Int;
+
+using Stride2D = cute::Stride<int64_t, _1, int64_t>;  // row-major [rows, cols] (+ unused batch)
+
+// Kernel configurations (schedule, CTA tile, cluster). Cooperative: two consumer warpgroups share one 128x256 tile
+// (m64n256 WGMMAs), the epilogue runs after the tile's mainloop. Ping-pong: each consumer warpgroup owns a 128x128
+// tile (two m64n128 WGMMAs per k-step) and runs its epilogue while the other warpgroup's mainloop runs.
+struct Cooperative {
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using TileShape = cute::Shape<Int<128>, Int<256>, Int<64>>;
+  using ClusterShape = cute::Shape<_2, _1, _1>;
+};
+struct PingPong {
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using TileShape = cute::Shape<Int<128>, Int<128>, Int<64>>;
+  using ClusterShape = cute::Shape<_2, _1, _1>;
+};
+
+// ---- the stock sm_90 mainloop (TMA + WGMMA, warp-specialised) ----------------------------------------------------
+template <class Cfg, class E, class LayoutB>
+using StockMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    E, cutlass::layout::RowMajor, 8,  // A: [T, K] row-major
+    E, LayoutB, 8,                    // B: ColumnMajor = [N, K] rows (weights), RowMajor = [K, N] rows
+    float, typename Cfg::TileShape, typename Cfg::ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<0>,  // the epilogue keeps no shared memory
+    typename Cfg::Schedule>::CollectiveOp;
+
+// ---- the stock mainloop with two B operands ------------------------------------------------------------------
+template <class Base>
+struct DualBMainloop : Base {
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  using typename Base::ElementA;
+  using typename Base::ElementB;
+  using typename Base::GmemTiledCopyB;
+  using typename Base::InternalElementB;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutAtomB;
+  using typename Base::SmemLayoutB;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  static constexpr int Stages = Base::DispatchPolicy::Stages;
+  static constexpr int kBM = cute::size<0>(TileShape{}), kHalfN = cute::size<1>(TileShape{}) / 2,
+                       kBK = cute::size<2>(TileShape{});
+  using HalfTile = cute::Shape<Int<kBM>, Int<kHalfN>, Int<kBK>>;
+  static_assert(cutlass::gemm::detail::is_k_major<StrideB>(), "the dual-B mainloop takes K-major weights");
+  // One half of a stage's B tile (the stage's first or last 128 rows of SmemLayoutB).
+  using SmemLayoutBHalf = decltype(cute::tile_to_shape(
+      SmemLayoutAtomB{}, cute::make_shape(Int<kHalfN>{}, Int<kBK>{}, Int<Stages>{}), cute::Step<_1, _2, cute::_3>{}));
+  using TMA_BH = decltype(cute::make_tma_copy_B_sm90(
+      GmemTiledCopyB{},
+      cute::make_tensor(static_cast<InternalElementB const*>(nullptr), cute::repeat_like(StrideB{}, int32_t(0)),
+                        StrideB{}),
+      SmemLayoutBHalf{}(cute::_, cute::_, Int<0>{}), HalfTile{}, ClusterShape{}));
+
+  struct Arguments {
+    ElementA const* ptr_A;
+    StrideA dA;
+    ElementB const* ptr_B_gate;
+    ElementB const* ptr_B_up;
+    StrideB dB;
+  };
+  struct Params {
+    typename Base::Params base;  // A's TMA (B's is built for the gate weight and not used)
+    TMA_BH tma_load_b_gate;
+    TMA_BH tma_load_b_up;
+    uint32_t tma_transaction_bytes = Base::TmaTransactionBytes;  // A tile + both B halves
+  };
+
+  template <class ProblemShape>
+  CUTLASS_HOST_DEVICE static auto real_problem(ProblemShape const& p) {  // the virtual [M, 2N] GEMM -> the [M, N] one
+    auto [M, N2, K, L] = cute::append<4>(p, 1);
+    return cute::make_shape(M, N2 / 2, K, L);
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* ws) {
+    auto [M, N, K, L] = real_problem(problem_shape);
+    Params p;
+    p.base = Base::to_underlying_arguments(cute::make_shape(M, N, K, L),
+                                           typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B_gate, args.dB},
+                                           ws);
+    auto tma_half = [&](ElementB const* ptr) {
+      auto t = cute::make_tensor(reinterpret_cast<InternalElementB const*>(ptr),
+                                 cute::make_layout(cute::make_shape(N, K, L), args.dB));
+      return cute::make_tma_copy_B_sm90(GmemTiledCopyB{}, t, SmemLayoutBHalf{}(cute::_, cute::_, Int<0>{}),
+                                        HalfTile{}, ClusterShape{});
+    };
+    p.tma_load_b_gate = tma_half(args.ptr_B_gate);
+    p.tma_load_b_up = tma_half(args.ptr_B_up);
+    p.tma_transaction_bytes = Base::TmaTransactionBytes;
+    return p;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    auto [M, N, K, L] = real_problem(problem_shape);
+    return Base::can_implement(cute::make_shape(M, N, K, L),
+                               typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B_gate, args.dB});
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.base.tma_load_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_load_b_gate.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_load_b_up.get_tma_descriptor());
+  }
+
+  // (gA_mkl, gBg_nkl, gBu_nkl): the B tensors tiled by 128 rows, so their tile count is the virtual GEMM's.
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
+    using X = cute::Underscore;
+    auto [M, N, K, L] = real_problem(problem_shape_MNKL);
+    auto mA = p.base.tma_load_a.get_tma_tensor(cute::make_shape(M, K, L));
+    auto mBg = p.tma_load_b_gate.get_tma_tensor(cute::make_shape(N, K, L));
+    auto mBu = p.tma_load_b_up.get_tma_tensor(cute::make_shape(N, K, L));
+    auto gA = cute::local_tile(mA, TileShape{}, cute::make_coord(cute::_, cute::_, cute::_), cute::Step<_1, X, _1>{});
+    auto gBg = cute::local_tile(mBg, HalfTile{}, cute::make_coord(cute::_, cute::_, cute::_), cute::Step<X, _1, _1>{});
+    auto gBu = cute::local_tile(mBu, HalfTile{}, cute::make_coord(cute::_, cute::_, cute::_), cute::Step<X, _1, _1>{});
+    return cute::make_tuple(gA, gBg, gBu);
+  }
+
+  // Producer: per k-tile, A once and the two B halves into one stage, one transaction barrier.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int /*thread_idx*/,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    using namespace cute;
+    if (!cute::elect_one_sync()) return;
+    auto sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    auto sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (256, BK, PIPE)
+    auto sB_halves = flat_divide(sB, Shape<Int<kHalfN>, Int<kBK>>{});                  // (BN/2, BK, 2, 1, PIPE)
+    auto sBg = sB_halves(_, _, 0, 0, _);
+    auto sBu = sB_halves(_, _, 1, 0, _);
+
+    constexpr uint32_t cluster_shape_x = get<0>(ClusterShape{});
+    uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x, block_rank_in_cluster / cluster_shape_x};
+    auto block_tma_a = p.base.tma_load_a.get_slice(cluster_local_block_id.y);
+    auto block_tma_bg = p.tma_load_b_gate.get_slice(cluster_local_block_id.x);
+    auto block_tma_bu = p.tma_load_b_up.get_slice(cluster_local_block_id.x);
+
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    auto tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    auto tAsA = block_tma_a.partition_D(sA);
+    auto tBgBg = block_tma_bg.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    auto tBsBg = block_tma_bg.partition_D(sBg);
+    auto tBgBu = block_tma_bu.partition_S(get<2>(load_inputs)(_, _, n_coord, _, l_coord));
+    auto tBsBu = block_tma_bu.partition_D(sBu);
+
+    uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n)
+        mcast_mask_a |= uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{});
+    }
+    if constexpr (cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{});
+    }
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* bar = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      copy(p.base.tma_load_a.with(*bar, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+      copy(p.tma_load_b_gate.with(*bar, mcast_mask_b), tBgBg(_, _, _, *k_tile_iter), tBsBg(_, _, _, stage));
+      copy(p.tma_load_b_up.with(*bar, mcast_mask_b), tBgBu(_, _, _, *k_tile_iter), tBsBu(_, _, _, stage));
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  // Consumer: the stock MMA (it does not read the TMA parameters).
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const& p) {
+    Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p.base);
+  }
+};
+
+// ---- the epilogues -----------------------------------------------------------------------------------------
+__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 load2(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
+template <class E>
+__device__ __forceinline__ float2 unpack2(uint32_t w) {  // two 16-bit values (low address first) as floats
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store2(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
+// The epilogue reads the accumulator fragment as (a, b, j, mm): the WGMMA C layout ((2, 2, J), MM, 1), where a picks
+// one of two adjacent columns, b one of two rows 8 apart, j a group of 8 columns and mm the 64-row block. Checked
+// on the TiledMMA's (thread, value) -> (row, column) layout: adjacent columns for a = 0, 1, and (dual B) column
+// c + BN/2 at j + J/2 (value v + 2J).
+template <class TiledMma, int BN>
+constexpr bool accumulator_pairs_ok(bool dual) {
+  using namespace cute;
+  // (thread, value) -> column-major index in the TiledMMA's own (TM, TN) tile: one 64-row WGMMA block per thread
+  // (the CTA tile repeats it MM times along M).
+  auto tv = TiledMma{}.get_layoutC_TV();
+  constexpr int TM = tile_size<0>(TiledMma{}), TN = tile_size<1>(TiledMma{});
+  constexpr int nthr = size<0>(decltype(tv){}), nv = size<1>(decltype(tv){}), J = nv / 4;
+  if (TN != BN) return false;
+  // every value of a sample of threads (lanes and warps of each warpgroup; all threads exceeds nvcc's constexpr
+  // budget)
+  for (int t : {0, 1, 2, 3, 4, 5, 9, 17, 31, 32, 45, 64, 101, 127, nthr - 128, nthr - 77, nthr - 1}) {
+    for (int v = 0; v < nv; v += 2) {
+      const int i0 = tv(t, v), i1 = tv(t, v + 1);
+      if (i1 != i0 + TM) return false;  // values v, v + 1: one row, adjacent columns
+      const int j = v / 4;
+      if (dual && j < J / 2 && (tv(t, v + 2 * J) != i0 + (BN / 2) * TM || i0 / TM >= BN / 2)) return false;
+    }
+  }
+  return true;
+}
+
+struct EpiArgs {
+  void* h = nullptr;        // [M, N] output (always)
+  void* gate = nullptr;     // fwd: optional [M, N] output (training); bwd: [M, N] input, dgate written over it
+  void* up = nullptr;       // fwd: optional output; bwd: input, dup written over it
+  int64_t ld = 0;           // row stride of all of them (elements)
+  int M = 0, N = 0;         // the real output shape
+  Act act = Act::kGeluTanh;
+};
+
+// kBwd = false: accumulator columns [0, BN/2) are gate and [BN/2, BN) up (DualBMainloop); kBwd = true: the
+// accumulator is dh over BN output columns.
+template <class E, bool kBwd, class TileShape>
+struct GatedEpilogue {
+  using ElementC = cutlass::bfloat16_t;  // the kernel layer names these types; C/D are ours (EpiArgs)
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = Stride2D;
+  using StrideD = Stride2D;
+  using ElementAccumulator = float;
+  struct SharedStorage {};
+  using Arguments = EpiArgs;
+  using Params = EpiArgs;
+  static constexpr int kBM = cute::size<0>(TileShape{}), kBN = cute::size<1>(TileShape{});
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& a) {
+    return a.N % 2 == 0 && a.ld % 2 == 0;
+  }
+
+  CUTLASS_HOST_DEVICE GatedEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+
+  template <Act A, class Acc, class Crd>
+  CUTLASS_DEVICE void run(Acc const& acc, Crd const& crd, int m0, int n0) const {
+    using namespace cute;
+    constexpr int J = size<2>(Acc{}), MM = size<3>(Acc{});
+    static_assert(size<0>(Acc{}) == 2 && size<1>(Acc{}) == 2 && size<4>(Acc{}) == 1, "unexpected accumulator layout");
+    E* h = static_cast<E*>(params.h);
+    E* gate = static_cast<E*>(params.gate);
+    E* up = static_cast<E*>(params.up);
+    const int64_t ld = params.ld;
+    if constexpr (!kBwd) {
+      const bool save = gate != nullptr;
+      CUTLASS_PRAGMA_UNROLL
+      for (int mm = 0; mm < MM; ++mm) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < J / 2; ++j) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int b = 0; b < 2; ++b) {
+            const int m = m0 + get<0>(crd(0, b, j, mm, 0)), n = n0 + get<1>(crd(0, b, j, mm, 0));
+            if (m < params.M && n < params.N) {
+              const float g0 = acc(0, b, j, mm, 0), g1 = acc(1, b, j, mm, 0);
+              const float u0 = acc(0, b, j + J / 2, mm, 0), u1 = acc(1, b, j + J / 2, mm, 0);
+              const int64_t off = m * ld + n;
+              store2(h + off, fused_mlp::cuda::act_fwd<A, true>(g0) * u0,
+                     fused_mlp::cuda::act_fwd<A, true>(g1) * u1);
+              if (save) {
+                store2(gate + off, g0, g1);
+                store2(up + off, u0, u1);
+              }
+            }
+          }
+        }
+      }
+    } else {
+      // The saved gate/up are read here and dgate/dup written over them. Each element is read before it is written
+      // and by the same thread, but the compiler cannot know that a later load does not read an earlier store's
+      // address, so it would issue load, compute, store pair by pair: one memory latency per pair. The pairs are
+      // therefore taken in chunks of kChunk, software-pipelined: chunk k + 1's loads are issued (in program
+      // order) before chunk k's stores, so the loads of a chunk overlap the math and stores of the previous one.
+      constexpr int P = MM * J * 2, kChunk = 8, kChunks = P / kChunk;
+      static_assert(P % kChunk == 0, "pairs per thread must be a multiple of the chunk");
+      uint32_t gbuf[2][kChunk], ubuf[2][kChunk];  // (offsets and bounds are recomputed: registers are scarce)
+      auto where = [&](int pr, int64_t& off) {
+        const int mm = pr / (2 * J), j = (pr / 2) % J, b = pr % 2;
+        const int m = m0 + get<0>(crd(0, b, j, mm, 0)), n = n0 + get<1>(crd(0, b, j, mm, 0));
+        off = static_cast<int64_t>(m) * ld + n;
+        return m < params.M && n < params.N;
+      };
+      auto load_chunk = [&](int k, int buf) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kChunk; ++q) {
+          int64_t off;
+          const bool live = where(k * kChunk + q, off);
+          gbuf[buf][q] = live ? *reinterpret_cast<const uint32_t*>(gate + off) : 0u;
+          ubuf[buf][q] = live ? *reinterpret_cast<const uint32_t*>(up + off) : 0u;
+        }
+      };
+      // First ask L2 for this thread's rows of gate/up in the tile (the four lanes of a quad share two rows per
+      // 64-row block; lane 0 of the quad prefetches them, one 128-byte line at a time): prefetches hold no
+      // registers and are not ordered against the stores, so only the first chunk waits for HBM. (A bulk
+      // cp.async.bulk.prefetch.L2 here made the mainloop's TMA loads fault with "illegal instruction" on the H200.)
+      if ((threadIdx.x & 3) == 0) {
+        const int cols = min(kBN, params.N - n0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < MM; ++mm) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int b = 0; b < 2; ++b) {
+            const int m = m0 + get<0>(crd(0, b, 0, mm, 0));
+            if (m < params.M) {
+              const int64_t row = static_cast<int64_t>(m) * ld + n0;
+              for (int c = 0; c < cols; c += 128 / static_cast<int>(sizeof(E))) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(gate + row + c));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(up + row + c));
+              }
+            }
+          }
+        }
+      }
+      load_chunk(0, 0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kChunks; ++k) {
+        const int buf = k & 1;
+        if (k + 1 < kChunks) load_chunk(k + 1, buf ^ 1);
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kChunk; ++q) {
+          const int pr = k * kChunk + q, mm = pr / (2 * J), j = (pr / 2) % J, b = pr % 2;
+          int64_t off;
+          if (!where(pr, off)) continue;
+          const float2 g = unpack2<E>(gbuf[buf][q]), u = unpack2<E>(ubuf[buf][q]);
+          float a0, da0, a1, da1;
+          fused_mlp::cuda::act_fwd_bwd<A, true>(g.x, a0, da0);
+          fused_mlp::cuda::act_fwd_bwd<A, true>(g.y, a1, da1);
+          const float d0 = acc(0, b, j, mm, 0), d1 = acc(1, b, j, mm, 0);
+          store2(h + off, a0 * u.x, a1 * u.y);
+          store2(gate + off, d0 * u.x * da0, d1 * u.y * da1);
+          store2(up + off, d0 * a0, d1 * a1);
+        }
+      }
+    }
+  }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(accumulator_pairs_ok<TiledMma, kBN>(!kBwd),
+                  "accumulator layout: expected adjacent column pairs (and column c + BN/2 at j + J/2)");
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    auto cD = make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{}));
+    auto tCcD = thr_mma.partition_C(cD);  // (row, column) in the CTA tile of each accumulator element
+    auto acc = make_tensor(accumulators.data(), flatten(accumulators.layout()));  // (2, 2, J, MM, NN)
+    auto crd = make_tensor(tCcD.data(), flatten(tCcD.layout()));
+    const int m0 = static_cast<int>(get<0>(blk_coord_mnkl)) * kBM;
+    const int n0 = static_cast<int>(get<1>(blk_coord_mnkl)) * (kBwd ? kBN : kBN / 2);
+    switch (params.act) {
+      case Act::kGeluTanh: run<Act::kGeluTanh>(acc, crd, m0, n0); break;
+      case Act::kGeluErf: run<Act::kGeluErf>(acc, crd, m0, n0); break;
+      case Act::kSilu: run<Act::kSilu>(acc, crd, m0, n0); break;
+    }
+  }
+
+  Params params;
+};
+
+template <class E> struct CutlassElement;
+template <> struct CutlassElement<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct CutlassElement<__half> { using type = cutlass::half_t; };
+
+template <class E, bool kBwd, class Cfg = Cooperative>
+struct Gemm {
+  using CE = typename CutlassElement<E>::type;
+  using Stock =
+      StockMainloop<Cfg, CE, cute::conditional_t<kBwd, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>>;
+  using Mainloop = cute::conditional_t<kBwd, Stock, DualBMainloop<Stock>>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      GatedEpilogue<E, kBwd, typename Cfg::TileShape>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using ClusterShape = typename Cfg::ClusterShape;
+};
+
+}  // namespace fm_sm90
+#endif  // FUSED_MLP_NO_ARCH
+
+namespace fused_mlp::cuda {
+namespace {
+
+#ifndef FUSED_MLP_NO_ARCH
+// Default schedules. H200, bf16, T=4096, H=2048, I=16384, fused / cuBLAS path in one run of benchmarks/epilogue.py
+// --quick (5 interleaved rounds): inference forward ping-pong 0.922-0.926, cooperative 0.949-0.953 (the ping-pong
+// hides the activation math behind the other warpgroup's MMAs); backward cooperative 1.028-1.048, ping-pong
+// 1.056-1.063; training forward ping-pong 1.005-1.007, cooperative 1.019-1.033.
+constexpr bool kFwdPingPong = true;
+constexpr bool kBwdPingPong = false;
+
+int sm_count(int device) {
+  static std::mutex mu;
+  static int counts[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0 || device >= 64) return 0;
+  if (counts[device] == 0) FM_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  return counts[device];
+}
+
+template <class G>
+void launch(typename G::Kernel::Arguments const& args, int device, cudaStream_t stream) {
+  using K = typename G::Kernel;
+  FM_CHECK(K::can_implement(args), "fused_mlp: the sm_90 gated GEMM cannot take these shapes/strides");
+  FM_CHECK(K::get_workspace_size(args) == 0, "fused_mlp: the sm_90 gated GEMM unexpectedly needs a workspace");
+  auto params = K::to_underlying_arguments(args, nullptr);
+  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<K>);
+  {  // once per kernel and device (a mutex, not std::call_once: that needs glibc 2.34's pthread_once)
+    static std::mutex mu;
+    static bool smem_set[64] = {};
+    std::lock_guard<std::mutex> lock(mu);
+    if (!smem_set[device & 63]) {
+      FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::SharedStorageSize));
+      smem_set[device & 63] = true;
+    }
+  }
+  const dim3 grid = K::get_grid_shape(params), block = K::get_block_shape();
+  const dim3 cluster(cute::size<0>(typename G::ClusterShape{}), cute::size<1>(typename G::ClusterShape{}), 1);
+  cutlass::ClusterLaunchParams lp{grid, block, cluster, static_cast<int>(K::SharedStorageSize), stream};
+  const cutlass::Status st = cutlass::launch_kernel_on_cluster(lp, kernel, params);
+  FM_CHECK(st == cutlass::Status::kSuccess, "fused_mlp: launching the sm_90 gated GEMM failed: ",
+           cudaGetErrorString(cudaGetLastError()));
+  FM_KERNEL_LAUNCH_CHECK();
+}
+
+// The kernel schedule of each pass: FUSED_MLP_GATED_GEMM_SCHEDULE = "cooperative" | "pingpong" (both passes) or
+// "<fwd>,<bwd>" overrides the default (benchmarks compare them); read per call, it is a getenv.
+template <class F>
+void with_schedule(const char* pass, F&& f) {
+  const bool fwd = pass[0] == 'f';
+  bool pingpong = fwd ? kFwdPingPong : kBwdPingPong;
+  if (const char* env = std::getenv("FUSED_MLP_GATED_GEMM_SCHEDULE"); env != nullptr && *env != '\0') {
+    std::string v(env);
+    const size_t comma = v.find(',');
+    if (comma != std::string::npos) v = fwd ? v.substr(0, comma) : v.substr(comma + 1);
+    FM_CHECK(v == "cooperative" || v == "pingpong",
+             "fused_mlp: FUSED_MLP_GATED_GEMM_SCHEDULE must be cooperative or pingpong (or '<fwd>,<bwd>'), got ", env);
+    pingpong = v == "pingpong";
+  }
+  if (pingpong) {
+    f(fm_sm90::PingPong{});
+  } else {
+    f(fm_sm90::Cooperative{});
+  }
+}
+
+cutlass::KernelHardwareInfo hw_info(int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count(device);
+  return hw;
+}
+#endif
+
+void check_sm90(const Tensor& t) {
+  int major = 0, minor = 0;
+  const int dev = device_index(t);
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  FM_CHECK(major == 9 && minor == 0, "fused_mlp: the gated-epilogue GEMMs run on sm_90 (Hopper) only; this device is sm_",
+           major, minor, " (use the default backend)");
+#ifdef FUSED_MLP_NO_ARCH
+  FM_CHECK(false, "fused_mlp: this build has no sm_90a code (built without capability 9.0); use the default backend");
+#endif
+}
+
+void check_2d(const Tensor& t, const char* name, const Tensor& like) {
+  FM_CHECK(t.dim() == 2, "fused_mlp: ", name, " must be 2-D, got ", t.dim(), "-D");
+  FM_CHECK(t.scalar_type() == like.scalar_type(), "fused_mlp: ", name, " must have dtype ", like.scalar_type(),
+           ", got ", t.scalar_type());
+  FM_CHECK(same_cuda_device(t, like), "fused_mlp: ", name, " must be a CUDA tensor on ", device_str(like));
+  FM_CHECK(t.stride(1) == 1 && t.stride(0) == t.size(1), "fused_mlp: ", name, " must be contiguous");
+  FM_CHECK(t.size(1) % 8 == 0, "fused_mlp: ", name, " needs a multiple of 8 columns (16-byte TMA rows), got ",
+           t.size(1));
+  FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fused_mlp: ", name, " must be 16-byte aligned");
+}
+
+void check_dtype(const Tensor& x) {
+  FM_CHECK(x.scalar_type() == kBFloat16 || x.scalar_type() == kHalf,
+           "fused_mlp: the gated-epilogue GEMMs take bfloat16 or float16, got ", x.scalar_type());
+}
+
+}  // namespace
+}  // namespace fused_mlp::cuda
+
+using namespace fused_mlp::cuda;
+
+// h = act(x w_gate^T) * (x w_up^T); with save_preact also gate = x w_gate^T and up = x w_up^T.
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
+                                                       StrArg activation, bool save_preact) {
+  const Act act = parse_activation(activation);
+  FM_CHECK(x.is_cuda(), "fused_mlp: gated_gemm_fwd takes CUDA tensors");
+  check_dtype(x);
+  check_2d(x, "x", x);
+  check_2d(w_gate, "w_gate", x);
+  check_2d(w_up, "w_up", x);
+  FM_CHECK(w_gate.size(1) == x.size(1) && fused_mlp::same_shape(w_gate, w_up), "fused_mlp: gated_gemm_fwd: x ", fused_mlp::shape_str(x),
+           ", w_gate ", fused_mlp::shape_str(w_gate), ", w_up ", fused_mlp::shape_str(w_up), " do not match ([T, H], [I, H], [I, H])");
+  check_sm90(x);
+  const int64_t T = x.size(0), H = x.size(1), I = w_gate.size(0);
+  FM_CHECK(H > 0 && I % 8 == 0 && I <= (int64_t{1} << 30) && T <= (int64_t{1} << 30) && H <= (int64_t{1} << 30),
+           "fused_mlp: gated_gemm_fwd: H must be positive, I a multiple of 8 and every size below 2^30");
+  DeviceGuard guard(x);
+  // Without save_preact, gate and up come back empty ([0]).
+  Tensor h = fused_mlp::empty({T, I}, x.scalar_type(), x);
+  Tensor gate = fused_mlp::empty({save_preact ? T : 0, save_preact ? I : 0}, x.scalar_type(), x);
+  Tensor up = fused_mlp::empty({save_preact ? T : 0, save_preact ? I : 0}, x.scalar_type(), x);
+#ifndef FUSED_MLP_NO_ARCH
+  if (T > 0 && I > 0) {
+    const int dev = device_index(x);
+    dispatch_float(x.scalar_type(), "x", [&](auto tag) {
+      using E = decltype(tag);
+      if constexpr (!std::is_same_v<E, float>) {
+        fm_sm90::EpiArgs epi;
+        epi.h = h.data_ptr();
+        epi.gate = save_preact ? gate.data_ptr() : nullptr;
+        epi.up = save_preact ? up.data_ptr() : nullptr;
+        epi.ld = I;
+        epi.M = static_cast<int>(T);
+        epi.N = static_cast<int>(I);
+        epi.act = act;
+        with_schedule("fwd", [&](auto cfg) {
+          using G = fm_sm90::Gemm<E, false, decltype(cfg)>;
+          using CE = typename G::CE;
+          typename G::Kernel::Arguments args{
+              cutlass::gemm::GemmUniversalMode::kGemm,
+              {static_cast<int>(T), static_cast<int>(2 * I), static_cast<int>(H), 1},
+              {static_cast<const CE*>(x.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
+               static_cast<const CE*>(w_gate.data_ptr()), static_cast<const CE*>(w_up.data_ptr()),
+               fm_sm90::Stride2D{H, {}, 0}},
+              epi,
+              hw_info(dev)};
+          launch<G>(args, dev, current_stream(x));
+        });
+      }
+    });
+  }
+#endif
+  return {h, gate, up};
+}
+
+// From dy [T, H], w_down [H, I] and the saved gate, up [T, I]: dh = dy w_down (fp32, not stored),
+// returns h = act(gate) * up and writes dgate over gate, dup over up.
+Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& gate, const Tensor& up,
+                           StrArg activation) {
+  const Act act = parse_activation(activation);
+  FM_CHECK(dy.is_cuda(), "fused_mlp: gated_gemm_bwd takes CUDA tensors");
+  check_dtype(dy);
+  check_2d(dy, "dy", dy);
+  check_2d(w_down, "w_down", dy);
+  check_2d(gate, "gate", dy);
+  check_2d(up, "up", dy);
+  FM_CHECK(w_down.size(0) == dy.size(1) && gate.size(0) == dy.size(0) && gate.size(1) == w_down.size(1) &&
+               fused_mlp::same_shape(gate, up),
+           "fused_mlp: gated_gemm_bwd: dy ", fused_mlp::shape_str(dy), ", w_down ", fused_mlp::shape_str(w_down), ", gate ", fused_mlp::shape_str(gate),
+           ", up ", fused_mlp::shape_str(up), " do not match ([T, H], [H, I], [T, I], [T, I])");
+  fused_mlp::check_no_overlap(gate, up, "gated_gemm_bwd: gate and up");
+  check_sm90(dy);
+  const int64_t T = dy.size(0), H = dy.size(1), I = w_down.size(1);
+  FM_CHECK(H > 0 && T <= (int64_t{1} << 30) && I <= (int64_t{1} << 30) && H <= (int64_t{1} << 30),
+           "fused_mlp: gated_gemm_bwd: H must be positive and every size below 2^30");
+  DeviceGuard guard(dy);
+  Tensor h = fused_mlp::empty({T, I}, dy.scalar_type(), dy);
+#ifndef FUSED_MLP_NO_ARCH
+  if (T > 0 && I > 0) {
+    const int dev = device_index(dy);
+    dispatch_float(dy.scalar_type(), "dy", [&](auto tag) {
+      using E = decltype(tag);
+      if constexpr (!std::is_same_v<E, float>) {
+        fm_sm90::EpiArgs epi;
+        epi.h = h.data_ptr();
+        epi.gate = gate.data_ptr();
+        epi.up = up.data_ptr();
+        epi.ld = I;
+        epi.M = static_cast<int>(T);
+        epi.N = static_cast<int>(I);
+        epi.act = act;
+        with_schedule("bwd", [&](auto cfg) {
+          using G = fm_sm90::Gemm<E, true, decltype(cfg)>;
+          using CE = typename G::CE;
+          // B = w_down as the [K = H, N = I] row-major matrix: N-major, stride (1, I).
+          typename G::Kernel::Arguments args{
+              cutlass::gemm::GemmUniversalMode::kGemm,
+              {static_cast<int>(T), static_cast<int>(I), static_cast<int>(H), 1},
+              {static_cast<const CE*>(dy.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
+               static_cast<const CE*>(w_down.data_ptr()), typename G::Stock::StrideB{{}, I, 0}},
+              epi,
+              hw_info(dev)};
+          launch<G>(args, dev, current_stream(dy));
+        });
+      }
+    });
+  }
+#endif
+  return h;
+}
