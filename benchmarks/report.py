@@ -97,6 +97,29 @@ TARGETS: list[dict[str, Any]] = [
     dict(id="mlp-decode-eager", device="cuda", op="geglu_mlp", mode="fwd", where={"T": ("==", 16)},
          check="vs_provider_ge", other="eager", threshold=1.0, unit="x",
          text="GeGLU MLP T=16 (decode): never slower than eager, every (H, I)", source="issue 4"),
+    dict(id="epi-fwd", device="cuda", op="gated_mlp_epilogue", mode="fwd", provider="epilogue",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="time_p50_ms", threshold=1.21, unit="ms",
+         text="GeGLU MLP fwd with the activation in the GEMM epilogue, T=4096, H=2048, I=16384: <= 1.21 ms",
+         source="issue 10"),
+    dict(id="epi-fwdbwd", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="time_p50_ms", threshold=3.70, unit="ms",
+         text="GeGLU MLP fwd+bwd, both passes through the GEMM-epilogue kernels, same shape: <= 3.70 ms",
+         source="issue 10"),
+    dict(id="epi-peak", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
+         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
+         check="all_le", column="peak_mem_bytes", threshold=2.0e9, unit="bytes",
+         text="GeGLU MLP fwd+bwd through the GEMM-epilogue kernels, same shape: peak memory <= 2.0 GB",
+         source="issue 10"),
+    dict(id="epi-fwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd", provider="epilogue",
+         where={"T": (">=", 512)}, check="vs_provider_ge", other="cublas", threshold=1.0, unit="x",
+         text="GeGLU MLP inference fwd through the GEMM epilogue: at least as fast as the cuBLAS path it replaces, "
+              "every benchmarked (H, I, T >= 512)", source="issue 10"),
+    dict(id="epi-fwdbwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
+         where={"T": (">=", 512)}, check="vs_provider_ge", other="cublas", threshold=1.0, unit="x",
+         text="GeGLU MLP fwd+bwd through the GEMM-epilogue kernels: at least as fast as the cuBLAS path, every "
+              "benchmarked (H, I, T >= 512) (not met: training keeps the cuBLAS path)", source="issue 10"),
     dict(id="addmm-vs-mm", device="cuda", op="addmm", mode="fwd",
          where={"M": ("==", 4096), "K": ("==", 4096), "N": ("==", 4096)},
          check="vs_provider_ge", other="mm only", threshold=0.98, unit="x",
@@ -191,7 +214,8 @@ def _fmt_value(v: float, unit: str) -> str:
 
 
 def _ok(r: dict[str, str]) -> bool:
-    return r.get("status") == "ok"
+    # benchmarks/epilogue.py's first CSV (issue 10) left status empty and recorded the 2x-rule check in `verified`
+    return r.get("status") == "ok" or (not r.get("status") and r.get("verified") == "true")
 
 
 def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:

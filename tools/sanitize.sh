@@ -16,9 +16,10 @@ tools="${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
 # racecheck runs sanitize_cases.py one section at a time (addmm_no_lt included: cuBLASLt off), so that a tool
 # failure there (seen once on the H200: "Internal Sanitizer Error: failed to handle a hardware exception") is pinned
 # to a section; see tools/SANITIZER.md.
-drivers="${SANITIZE_DRIVERS:-tools/sanitize_cases.py tools/sanitize_rms_norm.py}"
+drivers="${SANITIZE_DRIVERS:-tools/sanitize_cases.py tools/sanitize_rms_norm.py tools/sanitize_gated_gemm.py}"
 racecheck_drivers="${SANITIZE_RACECHECK_DRIVERS:-tools/sanitize_cases.py:rms_norm tools/sanitize_cases.py:gated \
-tools/sanitize_cases.py:addmm tools/sanitize_cases.py:addmm_no_lt tools/sanitize_rms_norm.py}"
+tools/sanitize_cases.py:addmm tools/sanitize_cases.py:addmm_no_lt tools/sanitize_rms_norm.py \
+tools/sanitize_gated_gemm.py}"
 per_run="${SANITIZE_TIMEOUT:-240}"
 # Which kernels the tool instruments: ours by default. SANITIZE_KERNEL_FILTER= (empty) checks every kernel,
 # cuBLAS/cuBLASLt's included (slow; memcheck on tools/sanitize_cases.py:addmm is the useful one).
@@ -48,7 +49,10 @@ for tool in $tools; do
     [ "$entry" != "$driver" ] && sections=${entry#*:}
     name="$(basename "$driver" .py)${sections:+-${sections//,/+}}"
     log="/tmp/sanitize-$tool-$name.log"
-    timeout "$per_run" "$CS" --tool "$tool" ${filter:+--kernel-name "$filter"} --error-exitcode 97 \
+    f=$filter
+    # the CUTLASS kernels are named after their templates (fm_sm90::...), not after the op namespace
+    [[ "$driver" == *sanitize_gated_gemm* ]] && [ -n "$filter" ] && f="kns=fm_sm90"
+    timeout "$per_run" "$CS" --tool "$tool" ${f:+--kernel-name "$f"} --error-exitcode 97 \
       python3 "$driver" $sections > "$log" 2>&1
     rc=$?
     summary=$(grep -E "ERROR SUMMARY|done|mismatch" "$log" | tail -n 2 | tr '\n' ' ')

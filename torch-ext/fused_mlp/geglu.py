@@ -7,7 +7,8 @@ output rounded once. Backward takes ``dh`` in fp32 or the output's dtype and rec
 ``gate`` (nothing but ``gate`` and ``up`` is saved).
 
 The MLP (``gated_mlp``) runs its three projections through cuBLAS (``F.linear``/``torch.mm``, bias in the GEMM)
-and the fused activation between them. In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
+and the fused activation between them; on sm_90 the inference forward instead runs one dual-B GEMM with the
+activation in its epilogue where the measured dispatch table says it is faster (``_epilogue.py``). In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
 backward computes ``dh = dy @ W_down`` and then one in-place kernel that writes ``h`` into ``dh``'s buffer
 (for ``dW_down = dy^T h``), ``dgate`` into ``gate``'s and ``dup`` into ``up``'s: the largest live set in backward
 is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _epilogue
 from ._common import autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
@@ -59,6 +61,18 @@ def _geglu_bwd_fake(dh, gate, up, activation):
 @torch.library.register_fake(add_op_namespace_prefix("geglu_bwd_"))
 def _geglu_bwd_inplace_fake(dh, gate, up, activation):
     return None
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_gemm_fwd"))
+def _gated_gemm_fwd_fake(x, w_gate, w_up, activation, save_preact):
+    t, i = x.shape[0], w_gate.shape[0]
+    saved = (t, i) if save_preact else (0, 0)
+    return x.new_empty((t, i)), x.new_empty(saved), x.new_empty(saved)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_gemm_bwd_"))
+def _gated_gemm_bwd_inplace_fake(dy, w_down, gate, up, activation):
+    return gate.new_empty(gate.shape)
 
 
 # ---- autograd: the activation alone ------------------------------------------------------------------------
@@ -167,9 +181,12 @@ class _GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-        gate = F.linear(x, w_gate, b_gate)
-        up = F.linear(x, w_up, b_up)
-        h = ops.geglu_fwd(gate, up, activation)
+        if _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up, training=True):  # one dual-B GEMM, act in its epilogue
+            h, gate, up = ops.gated_gemm_fwd(x, w_gate, w_up, activation, True)
+        else:
+            gate = F.linear(x, w_gate, b_gate)
+            up = F.linear(x, w_up, b_up)
+            h = ops.geglu_fwd(gate, up, activation)
         y = F.linear(h, w_down, b_down)
         # h is dropped here; backward rebuilds it (from gate, up) inside the buffer of dh.
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
@@ -185,15 +202,19 @@ class _GatedMLPFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
-        dh = torch.mm(dy, w_down)  # [T, I]
         if not torch.compiler.is_compiling() and _keep_graph():
             # retain_graph=True: this backward may run again, so the saved gate/up must survive it; work on
             # copies (rare path). Under torch.compile the saved activations are donated to the backward graph
             # (AOTAutograd refuses retain_graph there), so the in-place form is always right.
             gate, up = gate.clone(), up.clone()
-        ops.geglu_bwd_(dh, gate, up, ctx.activation)  # dh <- h, gate <- dgate, up <- dup (one pass)
-        h, dgate, dup = dh, gate, up
-        del dh
+        if _epilogue.use_bwd(dy, w_down, gate, up):
+            # dh = dy @ W_down stays in the GEMM's fp32 accumulators; its epilogue writes h and, over gate/up,
+            # dgate/dup.
+            h = ops.gated_gemm_bwd_(dy, w_down, gate, up, ctx.activation)
+        else:
+            h = torch.mm(dy, w_down)  # dh [T, I]
+            ops.geglu_bwd_(h, gate, up, ctx.activation)  # dh <- h, gate <- dgate, up <- dup (one pass)
+        dgate, dup = gate, up
         d_w_down = torch.mm(dy.t(), h) if need[5] else None
         d_b_down = dy.sum(0) if (need[6] and ctx.has_bias[2]) else None
         del h
@@ -257,6 +278,9 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
         return y.view(*lead, y.shape[-1])
     # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
     # Under autocast, F.linear casts its operands itself (with autocast's weight-cast cache), as in the module.
+    if autocast is None and _epilogue.use_fwd(x2 := x.reshape(-1, x.shape[-1]), w_gate, w_up, b_gate, b_up):
+        h = ops.gated_gemm_fwd(x2, w_gate, w_up, activation, False)[0]  # one dual-B GEMM, act in its epilogue
+        return F.linear(h, w_down, b_down).view(*x.shape[:-1], w_down.shape[0])
     return F.linear(ops.geglu_fwd(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down, b_down)
 
 
