@@ -20,7 +20,10 @@ ACTS = ["gelu_tanh", "gelu", "silu"]
 DTYPES = [torch.bfloat16, torch.float16]
 # (T, H, I): tile-aligned, ragged T, I not a multiple of the 128-wide output tile, H not a multiple of the 64-deep
 # k-tile, one token, and a wide one.
-SHAPES = [(256, 128, 256), (37, 64, 160), (300, 72, 200), (1, 8, 8), (129, 520, 1000), (512, 2048, 4096)]
+SHAPES = [(256, 128, 256), (37, 64, 160), (300, 72, 200), (1, 8, 8), (129, 520, 1000), (512, 2048, 4096),
+          (1024, 256, 8192)]  # the last: more tiles than SMs, so persistent CTAs run several tiles
+# FUSED_MLP_GATED_GEMM_SCHEDULE: the defaults (ping-pong forward, cooperative backward) and the other two kernels
+SCHEDULES = ["", "cooperative,pingpong"]
 
 
 def act_fn(act: str):
@@ -50,7 +53,9 @@ def mode(monkeypatch):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fwd_matches_reference(fm, shape, dtype, act):
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
+def test_fwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
+    monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
     t, h, i = shape
     x, wg, wu, _ = operands(t, h, i, dtype)
     out, gate, up = fm._ops.ops.gated_gemm_fwd(x, wg, wu, act, True)
@@ -68,7 +73,9 @@ def test_fwd_matches_reference(fm, shape, dtype, act):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_bwd_matches_reference(fm, shape, dtype, act):
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
+def test_bwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
+    monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
     t, h, i = shape
     x, wg, wu, wd = operands(t, h, i, dtype, seed=1)
     gate, up = x @ wg.t(), x @ wu.t()
@@ -180,6 +187,8 @@ def test_mlp_fused_vs_cublas_path_vs_reference(fm, mode, monkeypatch, dtype, act
     # the cuBLAS path: the same math rounded differently, also within the rule
     assert_2x_rule(y_off, y32.detach(), ye.detach(), name="y (cuBLAS path)")
     assert_2x_rule(dx_off, x32.grad, xe.grad, name="dx (cuBLAS path)")
+    for name, a, r, e in zip(("dw_gate", "dw_up", "dw_down"), dw_off, (w.grad for w in w32), (w.grad for w in we)):
+        assert_2x_rule(a, r, e, name=f"{name} (cuBLAS path)")
 
 
 @needs_sm90
@@ -197,7 +206,6 @@ def test_mlp_fused_under_compile_fullgraph(fm, mode):
 
     eager = f(xx)
     eager.sum().backward()
-    g_eager = [xx.grad.clone()] + [w.grad.clone() for w in ws]
     xx.grad = None
     for w in ws:
         w.grad = None
@@ -224,7 +232,6 @@ def test_mlp_fused_under_compile_fullgraph(fm, mode):
     for name, a, r, e in zip(("dx", "dw_gate", "dw_up", "dw_down"), [xx.grad] + [w.grad for w in ws],
                              [x32.grad] + [w.grad for w in w32], [xe.grad] + [w.grad for w in we]):
         assert_2x_rule(a, r, e, name=name)
-    del g_eager
     torch._dynamo.reset()
 
 
@@ -263,7 +270,10 @@ def test_dispatch_rejects_what_the_kernels_cannot_take(fm, mode):
         c = [t.cuda() for t in (x, wg, wu)]
         assert not ep.use_fwd(c[0].float(), c[1].float(), c[2].float(), None, None)  # fp32
         assert not ep.use_fwd(*c, torch.zeros(128, device="cuda", dtype=torch.bfloat16), None)  # biased gate
-        assert not ep.use_fwd(c[0][:, :60], c[1][:, :60], c[2][:, :60], None, None)  # not contiguous / not x8
+        assert not ep.use_fwd(c[0][:, :56], c[1][:, :56], c[2][:, :56], None, None)  # not contiguous
+        c60 = [t[:, :60].contiguous() for t in c]
+        assert not ep.use_fwd(*c60, None, None)  # H not a multiple of 8
+        assert not ep.use_fwd(c[0], c[1][:124], c[2][:124], None, None)  # I not a multiple of 8
         assert not ep.use_fwd(c[0].flatten()[1:1 + 15 * 64].view(15, 64), *c[1:], None, None)  # misaligned
         assert ep.use_fwd(*c, None, None) == SM90
 

@@ -474,6 +474,7 @@ struct Gemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using ClusterShape = typename Cfg::ClusterShape;
+  static constexpr bool kDual = !kBwd;
 };
 
 }  // namespace fm_sm90
@@ -499,12 +500,36 @@ int sm_count(int device) {
   return counts[device];
 }
 
+void check_descriptor(const void* desc, const char* what) {
+  const auto* bytes = static_cast<const unsigned char*>(desc);
+  bool any = false;
+  for (size_t i = 0; i < sizeof(CUtensorMap); ++i) any |= bytes[i] != 0;
+  FM_CHECK(any, "fused_mlp: the sm_90 gated GEMM's TMA descriptor for ", what,
+           " could not be built (cuTensorMapEncodeTiled refused the tensor)");
+}
+
 template <class G>
 void launch(typename G::Kernel::Arguments const& args, int device, cudaStream_t stream) {
   using K = typename G::Kernel;
   FM_CHECK(K::can_implement(args), "fused_mlp: the sm_90 gated GEMM cannot take these shapes/strides");
   FM_CHECK(K::get_workspace_size(args) == 0, "fused_mlp: the sm_90 gated GEMM unexpectedly needs a workspace");
+  // The TMA descriptors are built with the driver API (cuTensorMapEncodeTiled), which needs a current context on
+  // this thread. The autograd engine runs backward on its own device threads, where none may be current yet: the
+  // H200 runs then logged "Failed to initialize the TMA descriptor 201" (CUDA_ERROR_INVALID_CONTEXT) and the kernel
+  // faulted on the zero descriptor. cudaSetDevice makes the device's primary context current (we are inside the
+  // caller's DeviceGuard for this device, which restores the previous device afterwards).
+  FM_CUDA_CHECK(cudaSetDevice(device));
   auto params = K::to_underlying_arguments(args, nullptr);
+  // This file is built with NDEBUG (see the top), which compiles out CUTLASS's host asserts on the TMA descriptors;
+  // a descriptor cuTensorMapEncodeTiled refused is left zero and would fault in the kernel, so refuse it here.
+  if constexpr (G::kDual) {
+    check_descriptor(params.mainloop.base.tma_load_a.get_tma_descriptor(), "A");
+    check_descriptor(params.mainloop.tma_load_b_gate.get_tma_descriptor(), "B (gate)");
+    check_descriptor(params.mainloop.tma_load_b_up.get_tma_descriptor(), "B (up)");
+  } else {
+    check_descriptor(params.mainloop.tma_load_a.get_tma_descriptor(), "A");
+    check_descriptor(params.mainloop.tma_load_b.get_tma_descriptor(), "B");
+  }
   const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<K>);
   {  // once per kernel and device (a mutex, not std::call_once: that needs glibc 2.34's pthread_once)
     static std::mutex mu;
@@ -570,7 +595,8 @@ void check_2d(const Tensor& t, const char* name, const Tensor& like) {
   FM_CHECK(t.scalar_type() == like.scalar_type(), "fused_mlp: ", name, " must have dtype ", like.scalar_type(),
            ", got ", t.scalar_type());
   FM_CHECK(same_cuda_device(t, like), "fused_mlp: ", name, " must be a CUDA tensor on ", device_str(like));
-  FM_CHECK(t.stride(1) == 1 && t.stride(0) == t.size(1), "fused_mlp: ", name, " must be contiguous");
+  FM_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "fused_mlp: ", name, " must be contiguous");
+  FM_CHECK(t.size(0) <= 1 || t.stride(0) == t.size(1), "fused_mlp: ", name, " must be contiguous");
   FM_CHECK(t.size(1) % 8 == 0, "fused_mlp: ", name, " needs a multiple of 8 columns (16-byte TMA rows), got ",
            t.size(1));
   FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fused_mlp: ", name, " must be 16-byte aligned");
@@ -599,7 +625,7 @@ std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Te
            ", w_gate ", fused_mlp::shape_str(w_gate), ", w_up ", fused_mlp::shape_str(w_up), " do not match ([T, H], [I, H], [I, H])");
   check_sm90(x);
   const int64_t T = x.size(0), H = x.size(1), I = w_gate.size(0);
-  FM_CHECK(H > 0 && I % 8 == 0 && I <= (int64_t{1} << 30) && T <= (int64_t{1} << 30) && H <= (int64_t{1} << 30),
+  FM_CHECK(H > 0 && I % 8 == 0 && I < (int64_t{1} << 30) && T < (int64_t{1} << 30) && H < (int64_t{1} << 30),
            "fused_mlp: gated_gemm_fwd: H must be positive, I a multiple of 8 and every size below 2^30");
   DeviceGuard guard(x);
   // Without save_preact, gate and up come back empty ([0]).
@@ -655,10 +681,15 @@ Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor&
                fused_mlp::same_shape(gate, up),
            "fused_mlp: gated_gemm_bwd: dy ", fused_mlp::shape_str(dy), ", w_down ", fused_mlp::shape_str(w_down), ", gate ", fused_mlp::shape_str(gate),
            ", up ", fused_mlp::shape_str(up), " do not match ([T, H], [H, I], [T, I], [T, I])");
+  // gate and up are written in place while other CTAs still read dy and w_down through TMA
   fused_mlp::check_no_overlap(gate, up, "gated_gemm_bwd: gate and up");
+  fused_mlp::check_no_overlap(gate, dy, "gated_gemm_bwd: gate and dy");
+  fused_mlp::check_no_overlap(up, dy, "gated_gemm_bwd: up and dy");
+  fused_mlp::check_no_overlap(gate, w_down, "gated_gemm_bwd: gate and w_down");
+  fused_mlp::check_no_overlap(up, w_down, "gated_gemm_bwd: up and w_down");
   check_sm90(dy);
   const int64_t T = dy.size(0), H = dy.size(1), I = w_down.size(1);
-  FM_CHECK(H > 0 && T <= (int64_t{1} << 30) && I <= (int64_t{1} << 30) && H <= (int64_t{1} << 30),
+  FM_CHECK(H > 0 && T < (int64_t{1} << 30) && I < (int64_t{1} << 30) && H < (int64_t{1} << 30),
            "fused_mlp: gated_gemm_bwd: H must be positive and every size below 2^30");
   DeviceGuard guard(dy);
   Tensor h = fused_mlp::empty({T, I}, dy.scalar_type(), dy);

@@ -22,14 +22,24 @@ import os
 
 import torch
 
+from ._common import warn_once
 from ._ops import ops
+
+try:  # decide a size test without adding a data-dependent guard (unbacked sizes under torch.compile: False)
+    from torch.fx.experimental.symbolic_shapes import guard_or_false as _known_true
+except ImportError:  # pragma: no cover - older torch
+    def _known_true(cond) -> bool:
+        return bool(cond) if not isinstance(cond, torch.SymBool) else False
 
 ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)
 # The backward kernel is not used by gated_mlp unless FUSED_MLP_GEMM_EPILOGUE_BWD=1 (experiments only): on the H200 it
-# passes every op-level test and compute-sanitizer (memcheck, racecheck), but inside the MLP's backward it made
-# CUDA report "an illegal instruction" in a TMA load of its mainloop in 35 of 103 MLP tests (not reproduced with
-# CUDA_LAUNCH_BLOCKING=1 or in isolation); cause not found yet. It was also slower than the cuBLAS path.
+# passed every op-level test and compute-sanitizer (memcheck, racecheck), but inside the MLP's backward it made
+# CUDA report "an illegal instruction" in a TMA load of its mainloop in 35 of 103 MLP tests. The logs show why:
+# cuTensorMapEncodeTiled failed with CUDA_ERROR_INVALID_CONTEXT on the autograd engine's thread (no current
+# context) and the kernel ran with a zero descriptor. The launcher now makes the context current and refuses a
+# zero descriptor, but that fix has not run on a GPU yet; until it has, the backward kernel stays opt-in. It also
+# measured slower than the cuBLAS path (DISPATCH below).
 BWD_ENV = "FUSED_MLP_GEMM_EPILOGUE_BWD"
 
 # Dispatch table: pass -> (minimum tokens T, minimum I, minimum H) from which the fused kernel is used in `auto`
@@ -81,7 +91,9 @@ def _runnable(tensors: tuple[torch.Tensor, ...]) -> bool:
     if not (_AVAILABLE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     for t in tensors:
-        if t.dtype != x.dtype or t.dim() != 2 or not t.is_contiguous() or t.shape[1] % 8 or t.numel() == 0:
+        if t.dtype != x.dtype or t.dim() != 2 or not t.is_contiguous():
+            return False
+        if not (_known_true(t.shape[1] % 8 == 0) and _known_true(t.shape[0] > 0) and _known_true(t.shape[1] > 0)):
             return False
         # Storages start 16-byte aligned, so the offset decides. Under torch.compile neither data_ptr() nor (inside
         # an autograd.Function) storage_offset() can be traced: there the op's own check reports a misaligned view.
@@ -95,7 +107,7 @@ def _wanted(pass_: str, t: int, i: int, h: int) -> bool:
     if m != "auto":
         return m in ("on", pass_.split("_")[0])
     rule = DISPATCH.get(pass_)
-    return rule is not None and t >= rule[0] and i >= rule[1] and h >= rule[2]
+    return rule is not None and _known_true(t >= rule[0]) and _known_true(i >= rule[1]) and _known_true(h >= rule[2])
 
 
 def use_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: torch.Tensor | None,
@@ -103,6 +115,8 @@ def use_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: t
     """Forward through ``gated_gemm_fwd``? x: the [T, H] view the MLP computes on; gate/up without bias.
     ``training``: the forward also writes the pre-activations for the backward (a separate table entry)."""
     if b_gate is not None or b_up is not None or mode() == "off":
+        return False
+    if not _known_true(w_gate.shape[0] % 8 == 0):  # I: the [T, I] outputs' rows must be 16-byte multiples too
         return False
     return _runnable((x, w_gate, w_up)) and _wanted("fwd_train" if training else "fwd", x.shape[0],
                                                     w_gate.shape[0], x.shape[1])
@@ -117,5 +131,8 @@ def use_bwd(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torc
     """Backward's dh GEMM and dGeGLU through ``gated_gemm_bwd_``? dy [T, H], w_down [H, I], gate/up [T, I].
     Only with FUSED_MLP_GEMM_EPILOGUE_BWD=1 (see BWD_ENV above)."""
     if mode() == "off" or not bwd_enabled():
+        if mode() == "bwd" and not torch.compiler.is_compiling():
+            warn_once("epilogue-bwd-off", f"{ENV}=bwd: the fused backward kernel runs only with {BWD_ENV}=1 "
+                      "(see fused_mlp._epilogue); using the cuBLAS path")
         return False
     return _runnable((dy, w_down, gate, up)) and _wanted("bwd", dy.shape[0], w_down.shape[1], dy.shape[1])
