@@ -86,14 +86,15 @@ def _is_sm90(idx: int) -> bool:
 
 
 def _runnable(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """CUDA sm_90, one 16-bit dtype, contiguous 2-D operands whose rows are 16-byte multiples and aligned."""
+    """CUDA sm_90, one 16-bit dtype, contiguous non-empty operands whose rows are 16-byte multiples and aligned
+    (the first may have any rank: the MLP's x, viewed as [T, H] by the op)."""
     x = tensors[0]
-    if not (_AVAILABLE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    if x.dtype not in (torch.bfloat16, torch.float16):
         return False
     for t in tensors:
-        if t.dtype != x.dtype or t.dim() != 2 or not t.is_contiguous():
+        if t.dtype != x.dtype or not t.is_contiguous():
             return False
-        if not (_known_true(t.shape[1] % 8 == 0) and _known_true(t.shape[0] > 0) and _known_true(t.shape[1] > 0)):
+        if not (_known_true(t.shape[-1] % 8 == 0) and _known_true(t.numel() > 0)):
             return False
         # Storages start 16-byte aligned, so the offset decides. Under torch.compile neither data_ptr() nor (inside
         # an autograd.Function) storage_offset() can be traced: there the op's own check reports a misaligned view.
@@ -102,7 +103,7 @@ def _runnable(tensors: tuple[torch.Tensor, ...]) -> bool:
     return _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def _wanted(pass_: str, t: int, i: int, h: int) -> bool:
+def _wanted(pass_: str, t, i, h) -> bool:
     m = mode()
     if m != "auto":
         return m in ("on", pass_.split("_")[0])
@@ -110,16 +111,19 @@ def _wanted(pass_: str, t: int, i: int, h: int) -> bool:
     return rule is not None and _known_true(t >= rule[0]) and _known_true(i >= rule[1]) and _known_true(h >= rule[2])
 
 
+# The cheap tests come first (decode calls, T < 512, are latency-bound and must pay next to nothing here): device
+# and bias, then the table's size thresholds, and only then the per-tensor checks.
 def use_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: torch.Tensor | None,
             b_up: torch.Tensor | None, *, training: bool = False) -> bool:
-    """Forward through ``gated_gemm_fwd``? x: the [T, H] view the MLP computes on; gate/up without bias.
-    ``training``: the forward also writes the pre-activations for the backward (a separate table entry)."""
-    if b_gate is not None or b_up is not None or mode() == "off":
+    """Forward through ``gated_gemm_fwd``? x: ``[..., H]`` (contiguous: the op takes its [T, H] view); gate/up
+    without bias. ``training``: the forward also writes the pre-activations for the backward (its own table entry)."""
+    if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None:
         return False
-    if not _known_true(w_gate.shape[0] % 8 == 0):  # I: the [T, I] outputs' rows must be 16-byte multiples too
+    h, i = x.shape[-1], w_gate.shape[0]
+    if not _wanted("fwd_train" if training else "fwd", x.shape[:-1].numel(), i, h):
         return False
-    return _runnable((x, w_gate, w_up)) and _wanted("fwd_train" if training else "fwd", x.shape[0],
-                                                    w_gate.shape[0], x.shape[1])
+    # I: the [T, I] outputs' rows must be 16-byte multiples too
+    return _known_true(i % 8 == 0) and _runnable((x, w_gate, w_up))
 
 
 @torch.compiler.assume_constant_result
@@ -130,9 +134,13 @@ def bwd_enabled() -> bool:
 def use_bwd(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Backward's dh GEMM and dGeGLU through ``gated_gemm_bwd_``? dy [T, H], w_down [H, I], gate/up [T, I].
     Only with FUSED_MLP_GEMM_EPILOGUE_BWD=1 (see BWD_ENV above)."""
-    if mode() == "off" or not bwd_enabled():
+    if not (_AVAILABLE and dy.is_cuda):
+        return False
+    if not bwd_enabled():
         if mode() == "bwd" and not torch.compiler.is_compiling():
             warn_once("epilogue-bwd-off", f"{ENV}=bwd: the fused backward kernel runs only with {BWD_ENV}=1 "
                       "(see fused_mlp._epilogue); using the cuBLAS path")
         return False
-    return _runnable((dy, w_down, gate, up)) and _wanted("bwd", dy.shape[0], w_down.shape[1], dy.shape[1])
+    if any(t.dim() != 2 for t in (dy, w_down, gate, up)):
+        return False
+    return _wanted("bwd", dy.shape[0], w_down.shape[1], dy.shape[1]) and _runnable((dy, w_down, gate, up))

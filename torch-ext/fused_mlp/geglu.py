@@ -278,8 +278,9 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
         return y.view(*lead, y.shape[-1])
     # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
     # Under autocast, F.linear casts its operands itself (with autocast's weight-cast cache), as in the module.
-    if autocast is None and _epilogue.use_fwd(x2 := x.reshape(-1, x.shape[-1]), w_gate, w_up, b_gate, b_up):
-        h = ops.gated_gemm_fwd(x2, w_gate, w_up, activation, False)[0]  # one dual-B GEMM, act in its epilogue
+    if autocast is None and _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up):
+        # one dual-B GEMM, the activation in its epilogue (x is contiguous: the reshape is a view)
+        h = ops.gated_gemm_fwd(x.reshape(-1, x.shape[-1]), w_gate, w_up, activation, False)[0]
         return F.linear(h, w_down, b_down).view(*x.shape[:-1], w_down.shape[0])
     return F.linear(ops.geglu_fwd(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down, b_down)
 
