@@ -93,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                 p.grad = None
             del ye, xe, xr
 
-            os.environ["FUSED_MLP_GEMM_EPILOGUE_BWD"] = "1"  # measure the backward kernel too (off in gated_mlp)
-
             def with_mode(m):
                 def run(xx):
                     os.environ["FUSED_MLP_GEMM_EPILOGUE"] = m

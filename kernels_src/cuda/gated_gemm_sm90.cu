@@ -392,8 +392,9 @@ struct GatedEpilogue {
       };
       // First ask L2 for this thread's rows of gate/up in the tile (the four lanes of a quad share two rows per
       // 64-row block; lane 0 of the quad prefetches them, one 128-byte line at a time): prefetches hold no
-      // registers and are not ordered against the stores, so only the first chunk waits for HBM. (A bulk
-      // cp.async.bulk.prefetch.L2 here made the mainloop's TMA loads fault with "illegal instruction" on the H200.)
+      // registers and are not ordered against the stores, so only the first chunk waits for HBM. (The stock TMA
+      // epilogue with a visitor tree instead, loads and stores through shared memory, measured slower: branch
+      // bwd-evt, see fused_mlp/_epilogue.py.)
       if ((threadIdx.x & 3) == 0) {
         const int cols = min(kBN, params.N - n0);
         CUTLASS_PRAGMA_UNROLL

@@ -5,8 +5,7 @@ Two CUTLASS 3 kernels for sm_90 (Hopper), each replacing a cuBLAS GEMM plus one 
 - forward ``gated_gemm_fwd``: ``h = act(x W_g^T) * (x W_u^T)`` from one dual-B GEMM (and, in training, the
   pre-activations gate/up it saves), instead of two cuBLAS GEMMs and the activation kernel;
 - backward ``gated_gemm_bwd_``: ``dh = dy W_d`` in fp32 and dGeGLU on it in the epilogue (h, dgate, dup), instead
-  of a cuBLAS GEMM and the in-place activation-backward kernel. Not used by ``gated_mlp`` unless
-  ``FUSED_MLP_GEMM_EPILOGUE_BWD=1`` (an unexplained fault inside the MLP's backward on the H200; see BWD_ENV).
+  of a cuBLAS GEMM and the in-place activation-backward kernel.
 
 Which one runs is decided per call from the table below (``DISPATCH``). The cuBLAS path is the default everywhere
 else: other GPUs, fp32, biased gate/up projections, sizes that are not multiples of 8, and the shapes where the
@@ -22,7 +21,6 @@ import os
 
 import torch
 
-from ._common import warn_once
 from ._ops import ops
 
 try:  # decide a size test without adding a data-dependent guard (unbacked sizes under torch.compile: False)
@@ -33,29 +31,38 @@ except ImportError:  # pragma: no cover - older torch
 
 ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)
-# The backward kernel is not used by gated_mlp unless FUSED_MLP_GEMM_EPILOGUE_BWD=1 (experiments only): on the H200 it
-# passed every op-level test and compute-sanitizer (memcheck, racecheck), but inside the MLP's backward it made
-# CUDA report "an illegal instruction" in a TMA load of its mainloop in 35 of 103 MLP tests. The logs show why:
-# cuTensorMapEncodeTiled failed with CUDA_ERROR_INVALID_CONTEXT on the autograd engine's thread (no current
-# context) and the kernel ran with a zero descriptor. The launcher now makes the context current and refuses a
-# zero descriptor, but that fix has not run on a GPU yet; until it has, the backward kernel stays opt-in. It also
-# measured slower than the cuBLAS path (DISPATCH below).
-BWD_ENV = "FUSED_MLP_GEMM_EPILOGUE_BWD"
 
-# Dispatch table: pass -> (minimum tokens T, minimum I, minimum H) from which the fused kernel is used in `auto`
-# mode. Passes: "fwd" (inference forward: h only), "fwd_train" (training forward: h, gate, up), "bwd". A pass with
-# no entry keeps the cuBLAS path. Every entry names the measurement it rests on (benchmarks/results/nvidia-h200/
-# epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better).
+# Dispatch table: pass -> (minimum tokens T, minimum I, minimum H, maximum H): the shapes on which the fused kernel
+# is used in `auto` mode. Passes: "fwd" (inference forward: h only), "fwd_train" (training forward: h, gate, up),
+# "bwd". A pass with no entry keeps the cuBLAS path. Every entry names the measurement it rests on
+# (benchmarks/results/nvidia-h200/epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better;
+# tests/test_gated_gemm.py checks the table against that CSV).
 #
-# H200, bf16, gelu_tanh, 5 interleaved rounds (epilogue.csv; fused / cuBLAS path):
-#   fwd        H=2048 I=16384 T=512/1024/2048/4096: 0.979 0.958 0.938 0.945; H=3072 I=24576 T=512/4096: 0.982
-#              0.980; H=4096 I=14336 T=512/4096: 0.976 0.994. Faster at every benchmarked shape (T >= 512): used
-#              from T >= 512 within the measured H >= 2048, I >= 14336. Below (decode, small models): not measured.
-#   fwd_train  (fwd+bwd with only the forward fused) 0.835 1.034 1.031 0.975 | 1.003 1.026 | 0.841 1.010: no
+# H200, bf16, gelu_tanh, 5 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576
+# T=512/4096 | H=4096 I=14336 T=512/4096 (epilogue.csv, and two repeat runs of the same build the same hour):
+#   fwd        0.978 0.963 0.953 0.950 | 0.994 0.977 | 0.986 1.022 (repeats: 0.956 0.981 0.965 0.933 | 0.997 0.989
+#              | 0.961 1.028 and 0.979 0.972 0.991 0.942 | 0.997 0.986 | 0.988 1.044; the cooperative schedule
+#              1.024 at the last shape). The fused forward saves one pass over [T, I], worth less against the
+#              GEMM the deeper H is: at H=4096, T=4096 it loses every time. Used from T >= 512 and I >= 14336 for
+#              2048 <= H <= 3072 (measured there); H=4096 keeps the cuBLAS path (its T=512 win is given up: no
+#              measurement between T=512 and 4096). Below T=512 (decode) and outside these sizes: not measured.
+#   fwd_train  (fwd+bwd with only the forward fused) 0.937 1.017 1.014 0.987 | 1.027 1.009 | 1.041 0.997: no
 #              consistent win (the epilogue also writes gate and up) -> cuBLAS path.
-#   bwd        (fwd+bwd with only the backward fused) 0.967 1.079 1.062 1.022 | 1.054 1.030 | 0.915 1.022: slower
+#   bwd        (fwd+bwd with only the backward fused) 0.970 1.057 1.045 1.028 | 1.051 1.028 | 1.114 1.007: slower
 #              at most shapes (its epilogue reads gate/up from global memory; see gated_gemm_sm90.cu) -> cuBLAS path.
-DISPATCH: dict[str, tuple[int, int, int]] = {"fwd": (512, 14336, 2048)}
+#              Tried instead (H200, T=4096 H=2048 I=16384, same session as the register epilogue's 1.063): the
+#              stock TMA epilogue with a visitor tree (gate/up loaded, dgate/dup/h stored by TMA through shared
+#              memory, which the mainloop's stages give up): 1.13 (128x128 cooperative), 1.22 (128x256), 1.29
+#              (ping-pong). Kept on branch `bwd-evt`.
+DISPATCH: dict[str, tuple[int, int, int, int]] = {"fwd": (512, 14336, 2048, 3072)}
+
+
+def in_table(pass_: str, t, i, h) -> bool:
+    """Does DISPATCH select the fused kernel for this pass at [T, H] x [H, I]? (sizes may be symbolic)"""
+    rule = DISPATCH.get(pass_)
+    return (rule is not None and _known_true(t >= rule[0]) and _known_true(i >= rule[1])
+            and _known_true(h >= rule[2]) and _known_true(h <= rule[3]))
+
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
@@ -107,8 +114,7 @@ def _wanted(pass_: str, t, i, h) -> bool:
     m = mode()
     if m != "auto":
         return m in ("on", pass_.split("_")[0])
-    rule = DISPATCH.get(pass_)
-    return rule is not None and _known_true(t >= rule[0]) and _known_true(i >= rule[1]) and _known_true(h >= rule[2])
+    return in_table(pass_, t, i, h)
 
 
 # The cheap tests come first (decode calls, T < 512, are latency-bound and must pay next to nothing here): device
@@ -126,20 +132,9 @@ def use_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: t
     return _known_true(i % 8 == 0) and _runnable((x, w_gate, w_up))
 
 
-@torch.compiler.assume_constant_result
-def bwd_enabled() -> bool:
-    return os.environ.get(BWD_ENV, "") == "1"
-
-
 def use_bwd(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Backward's dh GEMM and dGeGLU through ``gated_gemm_bwd_``? dy [T, H], w_down [H, I], gate/up [T, I].
-    Only with FUSED_MLP_GEMM_EPILOGUE_BWD=1 (see BWD_ENV above)."""
+    """Backward's dh GEMM and dGeGLU through ``gated_gemm_bwd_``? dy [T, H], w_down [H, I], gate/up [T, I]."""
     if not (_AVAILABLE and dy.is_cuda):
-        return False
-    if not bwd_enabled():
-        if mode() == "bwd" and not torch.compiler.is_compiling():
-            warn_once("epilogue-bwd-off", f"{ENV}=bwd: the fused backward kernel runs only with {BWD_ENV}=1 "
-                      "(see fused_mlp._epilogue); using the cuBLAS path")
         return False
     if any(t.dim() != 2 for t in (dy, w_down, gate, up)):
         return False
