@@ -219,3 +219,17 @@ def test_per_source_capabilities_and_the_sm90a_kernel(monkeypatch):
     else:
         assert (inc / "cute" / "tensor.hpp").exists()
         assert str(inc) in build.source_includes(cfg, gated, "cuda", ROOT)
+
+
+def test_abi_check_is_skipped_without_kernel_abi_check(tmp_path, monkeypatch, capsys):
+    """Without the kernel-abi-check package the build says so and goes on (it crashed: tools/abi_check.py imports the
+    package lazily, so the build's ImportError guard never saw it missing); with --abi-check it is an error."""
+    import importlib
+
+    build = importlib.import_module("build")
+    monkeypatch.setitem(sys.modules, "kernel_abi_check", None)  # `import kernel_abi_check` raises ImportError
+    (tmp_path / "_fused_mlp_cpu_0.abi3.so").write_bytes(b"")
+    build.abi_check(tmp_path, strict=False)
+    assert "kernel-abi-check is not installed" in capsys.readouterr().out
+    with pytest.raises(build.BuildError, match="kernel-abi-check is not installed"):
+        build.abi_check(tmp_path, strict=True)

@@ -23,6 +23,8 @@ CUDA_VARIANT = (
     f"{TORCH_TAG}-cxx11-cu{torch.version.cuda.replace('.', '')}-x86_64-linux" if torch.version.cuda else None
 )
 HAS_CUDA_BUILD = CUDA_VARIANT is not None and (BUILD / CUDA_VARIANT).is_dir()
+# a stable-ABI CUDA variant (torch-stable-abi<XY>-cu<Z>-...) serves a CUDA torch too
+HAS_STABLE_CUDA_BUILD = torch.version.cuda is not None and any(BUILD.glob("torch-stable-abi*-cu*-x86_64-linux"))
 
 # Imported in child processes before anything else: any attempt to open a network connection fails loudly.
 NO_NETWORK = textwrap.dedent(
@@ -53,7 +55,7 @@ def test_local_kernel_cpu_backend(fm_cpu):
 
 
 def test_local_kernel_picks_variant_from_installed_torch(fm):
-    expected = "cuda" if HAS_CUDA_BUILD else "cpu"
+    expected = "cuda" if HAS_CUDA_BUILD or HAS_STABLE_CUDA_BUILD else "cpu"
     assert fm.__name__.startswith(f"_fused_mlp_{expected}_")
     # Whatever the variant, CPU tensors work: every variant registers the CPU implementation.
     assert fm.rms_norm(torch.randn(2, 8), torch.ones(8)).shape == (2, 8)

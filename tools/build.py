@@ -613,6 +613,7 @@ def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jo
 
 def abi_check(variant_dir: Path, strict: bool) -> None:
     try:
+        import kernel_abi_check  # noqa: F401  (abi_check imports it lazily: test for it here)
         from abi_check import MANYLINUX, PYTHON_ABI, check_file
     except ImportError:
         msg = "kernel-abi-check is not installed; skipping the ABI check (`pip install kernel-abi-check`)"
