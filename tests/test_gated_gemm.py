@@ -26,6 +26,15 @@ SHAPES = [(256, 128, 256), (37, 64, 160), (300, 72, 200), (1, 8, 8), (129, 520, 
 SCHEDULES = ["", "cooperative,pingpong"]
 
 
+def op_cases(test):
+    """Every (schedule, shape, dtype, activation) of the op-level tests, on sm_90 only."""
+    for mark in (pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"]),
+                 pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s))),
+                 pytest.mark.parametrize("dtype", DTYPES, ids=str), pytest.mark.parametrize("act", ACTS)):
+        test = mark(test)
+    return needs_sm90(test)
+
+
 def act_fn(act: str):
     return {"gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}[act]
 
@@ -49,11 +58,7 @@ def mode(monkeypatch):
 # ---- the ops ---------------------------------------------------------------------------------------------------
 
 
-@needs_sm90
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
+@op_cases
 def test_fwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
     t, h, i = shape
@@ -69,11 +74,7 @@ def test_fwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     assert torch.equal(h_only, out) and g0.numel() == 0 and u0.numel() == 0
 
 
-@needs_sm90
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
+@op_cases
 def test_bwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
     t, h, i = shape

@@ -24,19 +24,15 @@
 #include <type_traits>
 
 #include "cpu/cpu_common.h"
+#include "gated_activation.h"  // Act, parse_activation, dispatch_act (shared with the CUDA backend)
 #include "torch_binding.h"
 
 namespace fused_mlp::cpu {
 namespace {
 
-enum class Act { kGeluTanh, kGeluErf, kSilu };
-
-Act parse_activation(std::string_view s) {
-  if (s == "gelu_tanh") return Act::kGeluTanh;
-  if (s == "gelu") return Act::kGeluErf;
-  if (s == "silu") return Act::kSilu;
-  FM_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(s), "'");
-}
+using fused_mlp::Act;
+using fused_mlp::dispatch_act;
+using fused_mlp::parse_activation;
 
 #define FM_INLINE inline __attribute__((always_inline))
 
@@ -337,15 +333,6 @@ struct RowsView {
 };
 
 RowsView rows_view(const Tensor& t) { return {t.data_ptr(), row_stride(t)}; }
-
-template <typename F>
-void dispatch_act(Act a, F&& f) {
-  switch (a) {
-    case Act::kGeluTanh: f(std::integral_constant<Act, Act::kGeluTanh>{}); break;
-    case Act::kGeluErf: f(std::integral_constant<Act, Act::kGeluErf>{}); break;
-    case Act::kSilu: f(std::integral_constant<Act, Act::kSilu>{}); break;
-  }
-}
 
 template <typename F>
 void dispatch_dtype(ScalarType t, const char* what, F&& f) {

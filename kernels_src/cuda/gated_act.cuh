@@ -4,23 +4,15 @@
 
 #include <cuda_runtime.h>
 
-#include <string>
-#include <string_view>
 #include <type_traits>
 
-#include "torch_binding.h"
+#include "gated_activation.h"  // Act, parse_activation, dispatch_act (shared with the CPU backend)
 
 namespace fused_mlp::cuda {
 
-enum class Act { kGeluTanh, kGeluErf, kSilu };
-
-inline Act parse_activation(const StrArg& s) {
-  const std::string_view v(s.data(), s.size());
-  if (v == "gelu_tanh") return Act::kGeluTanh;
-  if (v == "gelu") return Act::kGeluErf;
-  if (v == "silu") return Act::kSilu;
-  FM_CHECK(false, "fused_mlp: activation must be 'gelu_tanh', 'gelu' or 'silu', got '", std::string(v), "'");
-}
+using fused_mlp::Act;
+using fused_mlp::dispatch_act;
+using fused_mlp::parse_activation;
 
 // 16-bit outputs take the MUFU forms of exp and 1/x (see sigmoid_and_slope); fp32 outputs the accurate ones.
 template <typename T>
@@ -97,15 +89,6 @@ __device__ __forceinline__ void act_fwd_bwd(float x, float& a, float& da) {
     sigmoid_and_slope<FAST>(x, s, ds);
     a = x * s;
     da = fmaf(x, ds, s);
-  }
-}
-
-template <typename F>
-void dispatch_act(Act a, F&& f) {
-  switch (a) {
-    case Act::kGeluTanh: f(std::integral_constant<Act, Act::kGeluTanh>{}); break;
-    case Act::kGeluErf: f(std::integral_constant<Act, Act::kGeluErf>{}); break;
-    case Act::kSilu: f(std::integral_constant<Act, Act::kSilu>{}); break;
   }
 }
 

@@ -571,6 +571,14 @@ void with_schedule(const char* pass, F&& f) {
   }
 }
 
+// The 16-bit dtypes (callers have checked the dtype: check_dtype).
+template <class F>
+void dispatch_16bit(ScalarType t, const char* what, F&& f) {
+  dispatch_float(t, what, [&](auto tag) {
+    if constexpr (!std::is_same_v<decltype(tag), float>) f(tag);
+  });
+}
+
 cutlass::KernelHardwareInfo hw_info(int device) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
@@ -636,31 +644,23 @@ std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Te
 #ifndef FUSED_MLP_NO_ARCH
   if (T > 0 && I > 0) {
     const int dev = device_index(x);
-    dispatch_float(x.scalar_type(), "x", [&](auto tag) {
+    const fm_sm90::EpiArgs epi{h.data_ptr(), save_preact ? gate.data_ptr() : nullptr,
+                               save_preact ? up.data_ptr() : nullptr, I, static_cast<int>(T), static_cast<int>(I), act};
+    dispatch_16bit(x.scalar_type(), "x", [&](auto tag) {
       using E = decltype(tag);
-      if constexpr (!std::is_same_v<E, float>) {
-        fm_sm90::EpiArgs epi;
-        epi.h = h.data_ptr();
-        epi.gate = save_preact ? gate.data_ptr() : nullptr;
-        epi.up = save_preact ? up.data_ptr() : nullptr;
-        epi.ld = I;
-        epi.M = static_cast<int>(T);
-        epi.N = static_cast<int>(I);
-        epi.act = act;
-        with_schedule("fwd", [&](auto cfg) {
-          using G = fm_sm90::Gemm<E, false, decltype(cfg)>;
-          using CE = typename G::CE;
-          typename G::Kernel::Arguments args{
-              cutlass::gemm::GemmUniversalMode::kGemm,
-              {static_cast<int>(T), static_cast<int>(2 * I), static_cast<int>(H), 1},
-              {static_cast<const CE*>(x.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
-               static_cast<const CE*>(w_gate.data_ptr()), static_cast<const CE*>(w_up.data_ptr()),
-               fm_sm90::Stride2D{H, {}, 0}},
-              epi,
-              hw_info(dev)};
-          launch<G>(args, dev, current_stream(x));
-        });
-      }
+      with_schedule("fwd", [&](auto cfg) {
+        using G = fm_sm90::Gemm<E, false, decltype(cfg)>;
+        using CE = typename G::CE;
+        typename G::Kernel::Arguments args{
+            cutlass::gemm::GemmUniversalMode::kGemm,
+            {static_cast<int>(T), static_cast<int>(2 * I), static_cast<int>(H), 1},
+            {static_cast<const CE*>(x.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
+             static_cast<const CE*>(w_gate.data_ptr()), static_cast<const CE*>(w_up.data_ptr()),
+             fm_sm90::Stride2D{H, {}, 0}},
+            epi,
+            hw_info(dev)};
+        launch<G>(args, dev, current_stream(x));
+      });
     });
   }
 #endif
@@ -697,31 +697,23 @@ Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor&
 #ifndef FUSED_MLP_NO_ARCH
   if (T > 0 && I > 0) {
     const int dev = device_index(dy);
-    dispatch_float(dy.scalar_type(), "dy", [&](auto tag) {
+    const fm_sm90::EpiArgs epi{h.data_ptr(), gate.data_ptr(), up.data_ptr(), I, static_cast<int>(T),
+                               static_cast<int>(I), act};
+    dispatch_16bit(dy.scalar_type(), "dy", [&](auto tag) {
       using E = decltype(tag);
-      if constexpr (!std::is_same_v<E, float>) {
-        fm_sm90::EpiArgs epi;
-        epi.h = h.data_ptr();
-        epi.gate = gate.data_ptr();
-        epi.up = up.data_ptr();
-        epi.ld = I;
-        epi.M = static_cast<int>(T);
-        epi.N = static_cast<int>(I);
-        epi.act = act;
-        with_schedule("bwd", [&](auto cfg) {
-          using G = fm_sm90::Gemm<E, true, decltype(cfg)>;
-          using CE = typename G::CE;
-          // B = w_down as the [K = H, N = I] row-major matrix: N-major, stride (1, I).
-          typename G::Kernel::Arguments args{
-              cutlass::gemm::GemmUniversalMode::kGemm,
-              {static_cast<int>(T), static_cast<int>(I), static_cast<int>(H), 1},
-              {static_cast<const CE*>(dy.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
-               static_cast<const CE*>(w_down.data_ptr()), typename G::Stock::StrideB{{}, I, 0}},
-              epi,
-              hw_info(dev)};
-          launch<G>(args, dev, current_stream(dy));
-        });
-      }
+      with_schedule("bwd", [&](auto cfg) {
+        using G = fm_sm90::Gemm<E, true, decltype(cfg)>;
+        using CE = typename G::CE;
+        // B = w_down as the [K = H, N = I] row-major matrix: N-major, stride (1, I).
+        typename G::Kernel::Arguments args{
+            cutlass::gemm::GemmUniversalMode::kGemm,
+            {static_cast<int>(T), static_cast<int>(I), static_cast<int>(H), 1},
+            {static_cast<const CE*>(dy.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
+             static_cast<const CE*>(w_down.data_ptr()), typename G::Stock::StrideB{{}, I, 0}},
+            epi,
+            hw_info(dev)};
+        launch<G>(args, dev, current_stream(dy));
+      });
     });
   }
 #endif
