@@ -42,6 +42,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 # ---------------------------------------------------------------------------------------------------------------
 
 TM = "targets.md"
+EPI_SHAPE = {"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)}  # issue 10's benchmark shape
 TARGETS: list[dict[str, Any]] = [
     dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd",
          where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
@@ -97,16 +98,18 @@ TARGETS: list[dict[str, Any]] = [
     dict(id="mlp-decode-eager", device="cuda", op="geglu_mlp", mode="fwd", where={"T": ("==", 16)},
          check="vs_provider_ge", other="eager", threshold=1.0, unit="x",
          text="GeGLU MLP T=16 (decode): never slower than eager, every (H, I)", source="issue 4"),
-    dict(id="epi-fwd", device="cuda", op="gated_mlp_epilogue", mode="fwd", provider="epilogue",
-         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
-         check="all_le", column="time_p50_ms", threshold=1.21, unit="ms",
-         text="GeGLU MLP fwd with the activation in the GEMM epilogue, T=4096, H=2048, I=16384: <= 1.21 ms",
-         source="issue 10"),
-    dict(id="epi-fwdbwd", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
-         where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
-         check="all_le", column="time_p50_ms", threshold=3.70, unit="ms",
-         text="GeGLU MLP fwd+bwd, both passes through the GEMM-epilogue kernels, same shape: <= 3.70 ms",
-         source="issue 10"),
+    *(row for mode, name, anchor, ms, issue_ms in (("fwd", "fwd", 1.296, 1.22, "1.21"),
+                                                   ("fwd_bwd", "fwd+bwd", 3.96, 3.75, "3.70")) for row in (
+        dict(id=f"epi-{mode.replace('_', '')}", device="cuda", op="gated_mlp_epilogue", mode=mode,
+             provider="epilogue", where=EPI_SHAPE, check="all_le", column="time_p50_ms", threshold=ms, unit="ms",
+             text=f"GeGLU MLP {name} through the GEMM-epilogue kernels, T=4096, H=2048, I=16384: <= {ms} ms "
+                  f"(issue 10 says {issue_ms}; targets.md, which stands, {ms})", source="issue 10"),
+        # the brief compares speeds as ratios measured in one run: the target over targets.md's anchor
+        dict(id=f"epi-{mode.replace('_', '')}-vs-compile", device="cuda", op="gated_mlp_epilogue", mode=mode,
+             provider="epilogue", where=EPI_SHAPE, check="vs_provider_ge", other="torch_compile",
+             threshold=round(anchor / ms, 3), unit="x",
+             text=f"the same target as a speedup over torch.compile measured in the same run: >= {anchor} / {ms} "
+                  "(targets.md's anchor and target)", source="issue 10"))),
     dict(id="epi-peak", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
          where={"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)},
          check="all_le", column="peak_mem_bytes", threshold=2.0e9, unit="bytes",
@@ -122,10 +125,16 @@ TARGETS: list[dict[str, Any]] = [
          where={"T": (">=", 512), "H": (">=", 4096)}, check="vs_provider_ge", other="cublas", threshold=1.0,
          unit="x", text="GeGLU MLP inference fwd through the GEMM epilogue at H >= 4096, T >= 512 (not met: there "
                         "DISPATCH keeps the cuBLAS path)", source="issue 10"),
+    dict(id="epi-train-fwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd",
+         provider="epilogue_fwd", where={"T": (">=", 4096), "H": ("==", 2048)}, check="vs_provider_ge",
+         other="cublas", threshold=1.0, unit="x",
+         text="GeGLU MLP training step with the fused forward (the cuBLAS backward): at least as fast as the cuBLAS "
+              "path where fused_mlp._epilogue.DISPATCH sends the training forward (H = 2048, T >= 4096)",
+         source="issue 10"),
     dict(id="epi-fwdbwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
          where={"T": (">=", 512)}, check="vs_provider_ge", other="cublas", threshold=1.0, unit="x",
-         text="GeGLU MLP fwd+bwd through the GEMM-epilogue kernels: at least as fast as the cuBLAS path, every "
-              "benchmarked (H, I, T >= 512) (not met: training keeps the cuBLAS path)", source="issue 10"),
+         text="GeGLU MLP fwd+bwd through both GEMM-epilogue kernels: at least as fast as the cuBLAS path, every "
+              "benchmarked (H, I, T >= 512) (not met: the fused backward stays off)", source="issue 10"),
     dict(id="addmm-vs-mm", device="cuda", op="addmm", mode="fwd",
          where={"M": ("==", 4096), "K": ("==", 4096), "N": ("==", 4096)},
          check="vs_provider_ge", other="mm only", threshold=0.98, unit="x",

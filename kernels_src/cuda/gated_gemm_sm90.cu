@@ -7,16 +7,18 @@
 //             h = act(gate) * up, dgate = dh * up * act'(gate), dup = dh * act(gate); dgate and dup are written over
 //             gate and up (each element is read and written by one thread), h into its own buffer (for dW_down).
 //
-// Built on CUTLASS 3 (headers from the nvidia-cutlass registry package): the persistent warp-specialised
-// cooperative kernel (one TMA producer warp, two consumer warpgroups of m64n256k16 WGMMAs, 128x256x64 tiles, a 2x1
-// cluster multicasting B) with its stock sm_90 TMA/WGMMA mainloop, and two pieces of ours:
-//   * DualBMainloop: the stock mainloop with a second B operand. Each stage's 256-row B tile is filled by two
-//     TMA loads of 128 rows, one from W_gate and one from W_up (the module's own tensors, no concatenated copy):
-//     accumulator columns [0, 128) are gate and [128, 256) up for the same 128 output features. The virtual GEMM
+// Built on CUTLASS 3 (headers from the nvidia-cutlass registry package): the persistent warp-specialised kernels
+// (one TMA producer warp; ping-pong: two consumer warpgroups with a 128x128x64 tile each, taking turns at the
+// tensor cores, the default; cooperative: both on one 128x256x64 tile; a 2x1 cluster multicasting B) with their
+// stock sm_90 TMA/WGMMA mainloop, and two pieces of ours:
+//   * DualBMainloop: the stock mainloop with a second B operand. Each stage's BN-row B tile is filled by two TMA
+//     loads of BN/2 rows, one from W_gate and one from W_up (the module's own tensors, no concatenated copy):
+//     accumulator columns [0, BN/2) are gate and [BN/2, BN) up for the same BN/2 output features. The virtual GEMM
 //     is [T, 2I]; the MMA and the pipeline are the stock ones.
-//   * GatedEpilogue: a register epilogue (CUTLASS's "no-smem" adapter) that pairs accumulator column c with c + 128
-//     (the WGMMA accumulator layout gives one thread both, checked at compile time) and stores adjacent output
-//     pairs as 32-bit words.
+//   * GatedEpilogue: a register epilogue (CUTLASS's "no-smem" adapter) that pairs accumulator column c with
+//     c + BN/2 (the WGMMA accumulator layout gives one thread both, checked at compile time); the four lanes of a
+//     quad then transpose their values with shuffles, so that each thread reads and writes 8 adjacent elements
+//     (16 bytes) at a time.
 // Other architectures never launch these kernels (Python dispatch checks the device; the entry points check it
 // again); on them the cuBLAS path runs. Without sm_90a in the build (FUSED_MLP_NO_ARCH) the entry points report
 // that.
@@ -110,7 +112,7 @@ struct DualBMainloop : Base {
                        kBK = cute::size<2>(TileShape{});
   using HalfTile = cute::Shape<Int<kBM>, Int<kHalfN>, Int<kBK>>;
   static_assert(cutlass::gemm::detail::is_k_major<StrideB>(), "the dual-B mainloop takes K-major weights");
-  // One half of a stage's B tile (the stage's first or last 128 rows of SmemLayoutB).
+  // One half of a stage's B tile (the stage's first or last BN/2 rows of SmemLayoutB).
   using SmemLayoutBHalf = decltype(cute::tile_to_shape(
       SmemLayoutAtomB{}, cute::make_shape(Int<kHalfN>{}, Int<kBK>{}, Int<Stages>{}), cute::Step<_1, _2, cute::_3>{}));
   using TMA_BH = decltype(cute::make_tma_copy_B_sm90(
@@ -246,10 +248,6 @@ struct DualBMainloop : Base {
 };
 
 // ---- the epilogues -----------------------------------------------------------------------------------------
-__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-__device__ __forceinline__ float2 load2(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
 template <class E>
 __device__ __forceinline__ float2 unpack2(uint32_t w) {  // two 16-bit values (low address first) as floats
   if constexpr (std::is_same_v<E, __nv_bfloat16>) {
@@ -258,11 +256,15 @@ __device__ __forceinline__ float2 unpack2(uint32_t w) {  // two 16-bit values (l
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
   }
 }
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ void store2(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+template <class E>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {  // two values rounded once, low address first
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
 }
 
 // The epilogue reads the accumulator fragment as (a, b, j, mm): the WGMMA C layout ((2, 2, J), MM, 1), where a picks
@@ -286,6 +288,23 @@ constexpr bool accumulator_pairs_ok(bool dual) {
       if (i1 != i0 + TM) return false;  // values v, v + 1: one row, adjacent columns
       const int j = v / 4;
       if (dual && j < J / 2 && (tv(t, v + 2 * J) != i0 + (BN / 2) * TM || i0 / TM >= BN / 2)) return false;
+    }
+  }
+  return true;
+}
+
+// The epilogues' quad transpose (GatedEpilogue::quad_transpose) relies on the same layout in more detail: value
+// (a, b, j) of thread t is in column 8j + 2 (t % 4) + a, and in one row for every j.
+template <class TiledMma>
+constexpr bool quad_layout_ok() {
+  using namespace cute;
+  auto tv = TiledMma{}.get_layoutC_TV();
+  constexpr int TM = tile_size<0>(TiledMma{});
+  constexpr int nthr = size<0>(decltype(tv){}), nv = size<1>(decltype(tv){});
+  for (int t : {0, 1, 2, 3, 5, 6, 11, 30, 31, 32, 63, 66, 127, nthr - 128, nthr - 3, nthr - 1}) {
+    for (int v = 0; v < nv; ++v) {
+      const int i = tv(t, v);
+      if (i / TM != 8 * (v / 4) + 2 * (t % 4) + v % 2 || i % TM != tv(t, v % 4) % TM) return false;
     }
   }
   return true;
@@ -343,58 +362,74 @@ struct GatedEpilogue {
     E* gate = static_cast<E*>(params.gate);
     E* up = static_cast<E*>(params.up);
     const int64_t ld = params.ld;
+    const int q = static_cast<int>(threadIdx.x & 3);
     if constexpr (!kBwd) {
+      // h (and in training gate, up) for the 8-column blocks j < J/2 of the gate half, rounded to 16-bit pairs in
+      // the accumulator layout; then the quad transposes the packed words (quad_transpose) so that lane q stores
+      // block 4g + q whole: 16-byte stores, 64 contiguous bytes per quad and row (see the backward below).
+      constexpr int G = J / 8;
+      static_assert(J % 8 == 0, "the quad transpose takes the gate half's 8-column blocks four at a time");
       const bool save = gate != nullptr;
       CUTLASS_PRAGMA_UNROLL
       for (int mm = 0; mm < MM; ++mm) {
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < J / 2; ++j) {
+        for (int b = 0; b < 2; ++b) {
           CUTLASS_PRAGMA_UNROLL
-          for (int b = 0; b < 2; ++b) {
-            const int m = m0 + get<0>(crd(0, b, j, mm, 0)), n = n0 + get<1>(crd(0, b, j, mm, 0));
-            if (m < params.M && n < params.N) {
+          for (int g = 0; g < G; ++g) {
+            uint32_t hw[4], gw[4], uw[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int k = 0; k < 4; ++k) {
+              const int j = 4 * g + k;
               const float g0 = acc(0, b, j, mm, 0), g1 = acc(1, b, j, mm, 0);
               const float u0 = acc(0, b, j + J / 2, mm, 0), u1 = acc(1, b, j + J / 2, mm, 0);
-              const int64_t off = m * ld + n;
-              store2(h + off, fused_mlp::cuda::act_fwd<A, true>(g0) * u0,
-                     fused_mlp::cuda::act_fwd<A, true>(g1) * u1);
+              using fused_mlp::cuda::act_fwd;
+              hw[k] = pack2<E>(act_fwd<A, true>(g0) * u0, act_fwd<A, true>(g1) * u1);
+              gw[k] = pack2<E>(g0, g1);
+              uw[k] = pack2<E>(u0, u1);
+            }
+            quad_transpose(hw, q);
+            if (save) {
+              quad_transpose(gw, q);
+              quad_transpose(uw, q);
+            }
+            const int m = m0 + get<0>(crd(0, b, 4 * g, mm, 0)), n = n0 + get<1>(crd(0, b, 4 * g, mm, 0)) + 6 * q;
+            if (m < params.M && n < params.N) {  // N is a multiple of 8: a block is all in or all out
+              const int64_t off = static_cast<int64_t>(m) * ld + n;
+              *reinterpret_cast<uint4*>(h + off) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
               if (save) {
-                store2(gate + off, g0, g1);
-                store2(up + off, u0, u1);
+                *reinterpret_cast<uint4*>(gate + off) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+                *reinterpret_cast<uint4*>(up + off) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
               }
             }
           }
         }
       }
     } else {
-      // The saved gate/up are read here and dgate/dup written over them. Each element is read before it is written
-      // and by the same thread, but the compiler cannot know that a later load does not read an earlier store's
-      // address, so it would issue load, compute, store pair by pair: one memory latency per pair. The pairs are
-      // therefore taken in chunks of kChunk, software-pipelined: chunk k + 1's loads are issued (in program
-      // order) before chunk k's stores, so the loads of a chunk overlap the math and stores of the previous one.
-      constexpr int P = MM * J * 2, kChunk = 8, kChunks = P / kChunk;
-      static_assert(P % kChunk == 0, "pairs per thread must be a multiple of the chunk");
-      uint32_t gbuf[2][kChunk], ubuf[2][kChunk];  // (offsets and bounds are recomputed: registers are scarce)
-      auto where = [&](int pr, int64_t& off) {
-        const int mm = pr / (2 * J), j = (pr / 2) % J, b = pr % 2;
-        const int m = m0 + get<0>(crd(0, b, j, mm, 0)), n = n0 + get<1>(crd(0, b, j, mm, 0));
+      // The saved gate/up are read here and dgate/dup written over them, h into its own buffer. In the WGMMA
+      // accumulator layout a thread holds two adjacent columns per 8-column block, so its own accesses would be
+      // 4-byte words, 8 rows per warp instruction (a quarter of a sector used per row and word; H200: the epilogue
+      // then costs more than the cuBLAS path's separate elementwise pass). So the four lanes of a quad first
+      // transpose their fp32 dh (quad_transpose): for each group of four blocks, lane q takes block 4g + q, all 8
+      // columns. Every access is then 16 bytes (8 bf16/fp16) per thread, 64 contiguous bytes per quad and row.
+      // Each element is read before it is written, by the same thread; the compiler cannot know that a later load
+      // does not read an earlier store's address, so it would issue load, compute, store group by group: one
+      // memory latency each. The loads therefore run kAhead groups ahead in program order.
+      constexpr int G = J / 4, NG = MM * 2 * G, kAhead = 3;
+      static_assert(J % 4 == 0, "the quad transpose takes the accumulator's 8-column blocks four at a time");
+      // group k: (mm, b, g); this lane's row, and the first of its 8 columns (block 4g + q: block 4g's first column
+      // is 2q left of this lane's pair in it, and blocks are 8 columns apart; checked by quad_layout_ok)
+      auto where = [&](int k, int64_t& off) {
+        const int mm = k / (2 * G), b = (k / G) % 2, g = k % G;
+        const int m = m0 + get<0>(crd(0, b, 4 * g, mm, 0)), n = n0 + get<1>(crd(0, b, 4 * g, mm, 0)) + 6 * q;
         off = static_cast<int64_t>(m) * ld + n;
-        return m < params.M && n < params.N;
-      };
-      auto load_chunk = [&](int k, int buf) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int q = 0; q < kChunk; ++q) {
-          int64_t off;
-          const bool live = where(k * kChunk + q, off);
-          gbuf[buf][q] = live ? *reinterpret_cast<const uint32_t*>(gate + off) : 0u;
-          ubuf[buf][q] = live ? *reinterpret_cast<const uint32_t*>(up + off) : 0u;
-        }
+        return m < params.M && n < params.N;  // N is a multiple of 8: a block is all in or all out
       };
       // First ask L2 for this thread's rows of gate/up in the tile (the four lanes of a quad share two rows per
       // 64-row block; lane 0 of the quad prefetches them, one 128-byte line at a time): prefetches hold no
-      // registers and are not ordered against the stores, so only the first chunk waits for HBM. (The stock TMA
-      // epilogue with a visitor tree instead, loads and stores through shared memory, measured slower: branch
-      // bwd-evt, see fused_mlp/_epilogue.py.)
+      // registers and are not ordered against the stores, so only the first groups wait for HBM. (Issued earlier,
+      // by the mainloop's producer warp a few k-tiles before the tile's end, measured slower on the H200; so did
+      // the stock TMA epilogue with a visitor tree, which loads and stores through shared memory: branch bwd-evt,
+      // see fused_mlp/_epilogue.py.)
       if ((threadIdx.x & 3) == 0) {
         const int cols = min(kBN, params.N - n0);
         CUTLASS_PRAGMA_UNROLL
@@ -412,27 +447,72 @@ struct GatedEpilogue {
           }
         }
       }
-      load_chunk(0, 0);
+      uint4 gbuf[kAhead], ubuf[kAhead];
+      auto load = [&](int k) {
+        int64_t off;
+        const bool live = where(k, off);
+        gbuf[k % kAhead] = live ? *reinterpret_cast<const uint4*>(gate + off) : make_uint4(0, 0, 0, 0);
+        ubuf[k % kAhead] = live ? *reinterpret_cast<const uint4*>(up + off) : make_uint4(0, 0, 0, 0);
+      };
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kChunks; ++k) {
-        const int buf = k & 1;
-        if (k + 1 < kChunks) load_chunk(k + 1, buf ^ 1);
+      for (int k = 0; k < kAhead - 1 && k < NG; ++k) load(k);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < NG; ++k) {
+        if (k + kAhead - 1 < NG) load(k + kAhead - 1);
+        const int mm = k / (2 * G), b = (k / G) % 2, g = k % G;
+        // dh of block 4g + q: d0[p], d1[p] = columns 2p, 2p + 1 (every lane of the quad takes part: before the
+        // bounds test)
+        float d0[4], d1[4];
         CUTLASS_PRAGMA_UNROLL
-        for (int q = 0; q < kChunk; ++q) {
-          const int pr = k * kChunk + q, mm = pr / (2 * J), j = (pr / 2) % J, b = pr % 2;
-          int64_t off;
-          if (!where(pr, off)) continue;
-          const float2 g = unpack2<E>(gbuf[buf][q]), u = unpack2<E>(ubuf[buf][q]);
-          float a0, da0, a1, da1;
-          fused_mlp::cuda::act_fwd_bwd<A, true>(g.x, a0, da0);
-          fused_mlp::cuda::act_fwd_bwd<A, true>(g.y, a1, da1);
-          const float d0 = acc(0, b, j, mm, 0), d1 = acc(1, b, j, mm, 0);
-          store2(h + off, a0 * u.x, a1 * u.y);
-          store2(gate + off, d0 * u.x * da0, d1 * u.y * da1);
-          store2(up + off, d0 * a0, d1 * a1);
+        for (int c = 0; c < 4; ++c) {
+          d0[c] = acc(0, b, 4 * g + c, mm, 0);
+          d1[c] = acc(1, b, 4 * g + c, mm, 0);
+        }
+        quad_transpose(d0, q);
+        quad_transpose(d1, q);
+        int64_t off;
+        if (where(k, off)) {
+          const uint32_t* gw = reinterpret_cast<const uint32_t*>(&gbuf[k % kAhead]);
+          const uint32_t* uw = reinterpret_cast<const uint32_t*>(&ubuf[k % kAhead]);
+          uint32_t hw[4], dgw[4], duw[4];
+          CUTLASS_PRAGMA_UNROLL
+          for (int w = 0; w < 4; ++w) {
+            const float2 gg = unpack2<E>(gw[w]), uu = unpack2<E>(uw[w]);
+            float a0, da0, a1, da1;
+            fused_mlp::cuda::act_fwd_bwd<A, true>(gg.x, a0, da0);
+            fused_mlp::cuda::act_fwd_bwd<A, true>(gg.y, a1, da1);
+            hw[w] = pack2<E>(a0 * uu.x, a1 * uu.y);
+            dgw[w] = pack2<E>(d0[w] * uu.x * da0, d1[w] * uu.y * da1);
+            duw[w] = pack2<E>(d0[w] * a0, d1[w] * a1);
+          }
+          *reinterpret_cast<uint4*>(h + off) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+          *reinterpret_cast<uint4*>(gate + off) = make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]);
+          *reinterpret_cast<uint4*>(up + off) = make_uint4(duw[0], duw[1], duw[2], duw[3]);
         }
       }
     }
+  }
+
+  // a[i] <- a[i ^ q] for i in 0..3 (q = lane & 3): two levels of conditional swaps, selects only.
+  template <class T>
+  CUTLASS_DEVICE static void xor_permute(T (&a)[4], int q) {
+    const bool s1 = q & 1, s2 = q & 2;
+    const T t0 = s1 ? a[1] : a[0], t1 = s1 ? a[0] : a[1], t2 = s1 ? a[3] : a[2], t3 = s1 ? a[2] : a[3];
+    a[0] = s2 ? t2 : t0;
+    a[1] = s2 ? t3 : t1;
+    a[2] = s2 ? t0 : t2;
+    a[3] = s2 ? t1 : t3;
+  }
+
+  // The 4x4 transpose within a quad: on entry x[k] is this lane's item of block 4g + k (items: 32-bit, one per
+  // lane and block), on return x[p] is lane p's item of block 4g + q. Lane p sends its item of block 4g + q to lane
+  // q in the shuffle round with mask p ^ q. All four lanes of the quad must call it.
+  template <class T>
+  CUTLASS_DEVICE static void quad_transpose(T (&x)[4], int q) {
+    xor_permute(x, q);  // x[m] = item of block 4g + (q ^ m), the block of lane q ^ m
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 1; m < 4; ++m) x[m] = __shfl_xor_sync(0xffffffffu, x[m], m);  // now lane q ^ m's item of ours
+    xor_permute(x, q);  // x[p] = lane p's item
   }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
@@ -443,6 +523,7 @@ struct GatedEpilogue {
     using namespace cute;
     static_assert(accumulator_pairs_ok<TiledMma, kBN>(!kBwd),
                   "accumulator layout: expected adjacent column pairs (and column c + BN/2 at j + J/2)");
+    static_assert(quad_layout_ok<TiledMma>(), "accumulator layout: expected column 8j + 2 (lane % 4) + a");
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     auto cD = make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{}));
     auto tCcD = thr_mma.partition_C(cD);  // (row, column) in the CTA tile of each accumulator element
@@ -487,10 +568,13 @@ namespace {
 #ifndef FUSED_MLP_NO_ARCH
 // Default schedules. H200, bf16, T=4096, H=2048, I=16384, fused / cuBLAS path in one run of benchmarks/epilogue.py
 // --quick (5 interleaved rounds): inference forward ping-pong 0.922-0.926, cooperative 0.949-0.953 (the ping-pong
-// hides the activation math behind the other warpgroup's MMAs); backward cooperative 1.028-1.048, ping-pong
-// 1.056-1.063; training forward ping-pong 1.005-1.007, cooperative 1.019-1.033.
+// hides the activation math behind the other warpgroup's MMAs); training forward ping-pong 1.005-1.007, cooperative
+// 1.019-1.033. Backward, since its epilogue's accesses are 16 bytes wide (quad transpose), fwd+bwd with only the
+// backward fused (7 interleaved rounds): ping-pong 0.986 1.002 1.004 | 1.007 | 1.002, cooperative 0.994 1.008 1.002
+// | 1.010 | 1.016 at H=2048 I=16384 T=4096/1024/2048 | H=3072 I=24576 T=4096 | H=4096 I=14336 T=4096 (before it,
+// with 4-byte accesses: cooperative 1.028-1.048, ping-pong 1.056-1.063).
 constexpr bool kFwdPingPong = true;
-constexpr bool kBwdPingPong = false;
+constexpr bool kBwdPingPong = true;
 
 int sm_count(int device) {
   static std::mutex mu;

@@ -11,8 +11,8 @@ Which one runs is decided per call from the table below (``DISPATCH``). The cuBL
 else: other GPUs, fp32, biased gate/up projections, sizes that are not multiples of 8, and the shapes where the
 benchmark (``benchmarks/epilogue.py``, H200) did not show the fused kernel winning. ``FUSED_MLP_GEMM_EPILOGUE``
 overrides the table: ``off`` never uses the fused kernels, ``on`` uses them wherever they can run (tests,
-benchmarks), ``fwd`` / ``bwd`` only that pass's kernel, ``auto`` (default) follows the table. Either way the results agree within the "2x the same-dtype
-PyTorch error" rule: both paths round each stored value once.
+benchmarks), ``fwd`` / ``bwd`` only that pass's kernel, ``auto`` (default) follows the table. Either way the results
+agree within the "2x the same-dtype PyTorch error" rule: both paths round each stored value once.
 """
 
 from __future__ import annotations
@@ -38,23 +38,35 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 # (benchmarks/results/nvidia-h200/epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better;
 # tests/test_gated_gemm.py checks the table against that CSV).
 #
-# H200, bf16, gelu_tanh, 5 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576
-# T=512/4096 | H=4096 I=14336 T=512/4096 (epilogue.csv, and two repeat runs of the same build the same hour):
-#   fwd        0.978 0.963 0.953 0.950 | 0.994 0.977 | 0.986 1.022 (repeats: 0.956 0.981 0.965 0.933 | 0.997 0.989
-#              | 0.961 1.028 and 0.979 0.972 0.991 0.942 | 0.997 0.986 | 0.988 1.044; the cooperative schedule
-#              1.024 at the last shape). The fused forward saves one pass over [T, I], worth less against the
-#              GEMM the deeper H is: at H=4096, T=4096 it loses every time. Used from T >= 512 and I >= 14336 for
-#              2048 <= H <= 3072 (measured there); H=4096 keeps the cuBLAS path (its T=512 win is given up: no
+# H200, bf16, gelu_tanh, 9 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576
+# T=512/4096 | H=4096 I=14336 T=512/4096 (epilogue.csv; "sweeps": benchmarks/epilogue.py's providers timed the same way
+# in other processes, 7 rounds, two builds with the same kernels, the same hour):
+#   fwd        0.953 0.942 0.934 0.921 | 0.987 0.958 | 0.969 1.004 (earlier builds: H=4096, T=4096 1.02-1.04 in three
+#              runs; the cooperative schedule 1.024 there). The fused forward saves one pass over [T, I], worth less
+#              against the GEMM the deeper H is: at H=4096, T=4096 it does not win. Used from T >= 512 and I >= 14336
+#              for 2048 <= H <= 3072 (measured there); H=4096 keeps the cuBLAS path (its T=512 win is given up: no
 #              measurement between T=512 and 4096). Below T=512 (decode) and outside these sizes: not measured.
-#   fwd_train  (fwd+bwd with only the forward fused) 0.937 1.017 1.014 0.987 | 1.027 1.009 | 1.041 0.997: no
-#              consistent win (the epilogue also writes gate and up) -> cuBLAS path.
-#   bwd        (fwd+bwd with only the backward fused) 0.970 1.057 1.045 1.028 | 1.051 1.028 | 1.114 1.007: slower
-#              at most shapes (its epilogue reads gate/up from global memory; see gated_gemm_sm90.cu) -> cuBLAS path.
-#              Tried instead (H200, T=4096 H=2048 I=16384, same session as the register epilogue's 1.063): the
-#              stock TMA epilogue with a visitor tree (gate/up loaded, dgate/dup/h stored by TMA through shared
-#              memory, which the mainloop's stages give up): 1.13 (128x128 cooperative), 1.22 (128x256), 1.29
-#              (ping-pong). Kept on branch `bwd-evt`.
-DISPATCH: dict[str, tuple[int, int, int, int]] = {"fwd": (512, 14336, 2048, 3072)}
+#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.155 1.038 0.990 0.999 | 1.030 0.987
+#              | 1.041 0.989; at H=2048 T=1024/2048/4096 in three more runs of the same forward kernel: 1.024 1.024
+#              0.974, 0.971 0.974 0.978 and 0.974 0.985 0.980; at H=3072 / H=4096, T=4096: 0.982 1.015 1.001 /
+#              1.021 1.031 0.987. Kernel time per step (torch.profiler, T=4096, H=2048): the fused forward 719 us
+#              against 712 + 96 us for the two GEMMs and the activation kernel. Used for H = 2048, T >= 4096,
+#              I >= 14336 (0.974-0.999 in all four runs); T=2048 won three of four (0.974-1.024), T <= 1024 and
+#              H >= 3072 measured either way -> cuBLAS path.
+#   bwd        (fwd+bwd with only the backward fused) 1.074 1.073 1.021 1.015 | 1.034 0.982 | 1.065 0.992; sweeps at
+#              H=2048 T=4096: 0.986 0.999 0.991. Its kernel alone takes 537 us against 392 us for the cuBLAS GEMM (whose
+#              elementwise pass the fused epilogue replaces: ~200 us): the epilogue's gate/up reads and three stores
+#              are not hidden behind the other warpgroup's MMAs. -> cuBLAS path. Tried instead, all slower (H200,
+#              T=4096 H=2048 I=16384): 4-byte accesses in the accumulator layout (1.03-1.06; the epilogue now
+#              transposes dh within each quad of lanes and accesses 16 bytes per thread); the producer warp
+#              prefetching each tile's gate/up into L2 (cp.async.bulk.prefetch) ahead of its epilogue (kernel alone
+#              610-774 us); loads further ahead (6 groups instead of 3: no change); the stock TMA epilogue with a
+#              visitor tree, loading and storing through shared memory that the mainloop's stages give up (1.13-1.29,
+#              branch `bwd-evt`).
+DISPATCH: dict[str, tuple[int, int, int, int]] = {
+    "fwd": (512, 14336, 2048, 3072),
+    "fwd_train": (4096, 14336, 2048, 2048),
+}
 
 
 def in_table(pass_: str, t, i, h) -> bool:
