@@ -56,8 +56,8 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 #   bwd        (fwd+bwd with only the backward fused) 1.074 1.073 1.021 1.015 | 1.034 0.982 | 1.065 0.992; sweeps at
 #              H=2048 T=4096: 0.986 0.999 0.991. Its kernel alone takes 537 us against 392 us for the cuBLAS GEMM (whose
 #              elementwise pass the fused epilogue replaces: ~200 us): the epilogue's gate/up reads and three stores
-#              are not hidden behind the other warpgroup's MMAs. -> cuBLAS path. Tried instead, all slower (H200,
-#              T=4096 H=2048 I=16384): 4-byte accesses in the accumulator layout (1.03-1.06; the epilogue now
+#              are not hidden behind the other warpgroup's MMAs. -> cuBLAS path. Tried too (H200, T=4096 H=2048
+#              I=16384): 4-byte accesses in the accumulator layout (1.03-1.06; the epilogue now
 #              transposes dh within each quad of lanes and accesses 16 bytes per thread); the producer warp
 #              prefetching each tile's gate/up into L2 (cp.async.bulk.prefetch) ahead of its epilogue (kernel alone
 #              610-774 us); loads further ahead (6 groups instead of 3: no change); the stock TMA epilogue with a
