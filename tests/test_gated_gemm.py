@@ -302,7 +302,7 @@ MEASURED_BY = {"fwd": ("epilogue", "fwd"), "fwd_train": ("epilogue_fwd", "fwd_bw
 
 def test_dispatch_table_bounds(fm):
     """The table's bounds (no GPU needed): the inference forward from T=512, I=14336, for 2048 <= H <= 3072; the
-    training forward from T=4096, I=14336, at H=2048; the backward nowhere."""
+    training forward from T=4096, I=14336, at H=2048; the backward from T=4096, I=14336, for 2048 <= H <= 3072."""
     ep = fm._epilogue
     assert ep.in_table("fwd", 4096, 16384, 2048) and ep.in_table("fwd", 512, 24576, 3072)
     assert not ep.in_table("fwd", 511, 16384, 2048)  # decode-sized: not measured
@@ -311,7 +311,10 @@ def test_dispatch_table_bounds(fm):
     assert ep.in_table("fwd_train", 4096, 16384, 2048) and ep.in_table("fwd_train", 8192, 14336, 2048)
     assert not ep.in_table("fwd_train", 2048, 16384, 2048)  # measured either way
     assert not ep.in_table("fwd_train", 4096, 24576, 3072) and not ep.in_table("fwd_train", 4096, 14336, 4096)
-    assert not ep.in_table("bwd", 4096, 16384, 2048)
+    assert ep.in_table("bwd", 4096, 16384, 2048) and ep.in_table("bwd", 8192, 24576, 3072)
+    assert not ep.in_table("bwd", 2048, 16384, 2048)  # measured either way (1.007)
+    assert not ep.in_table("bwd", 4096, 14336, 4096)  # 0.997: within the noise
+    assert not ep.in_table("bwd", 4096, 8192, 2048) and not ep.in_table("bwd", 4096, 16384, 1024)
 
 
 def test_dispatch_table_matches_the_committed_measurement(fm):

@@ -38,34 +38,41 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 # (benchmarks/results/nvidia-h200/epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better;
 # tests/test_gated_gemm.py checks the table against that CSV).
 #
-# H200, bf16, gelu_tanh, 9 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576
-# T=512/4096 | H=4096 I=14336 T=512/4096 (epilogue.csv; "sweeps": benchmarks/epilogue.py's providers timed the same way
-# in other processes, 7 rounds, two builds with the same kernels, the same hour):
-#   fwd        0.953 0.942 0.934 0.921 | 0.987 0.958 | 0.969 1.004 (earlier builds: H=4096, T=4096 1.02-1.04 in three
-#              runs; the cooperative schedule 1.024 there). The fused forward saves one pass over [T, I], worth less
-#              against the GEMM the deeper H is: at H=4096, T=4096 it does not win. Used from T >= 512 and I >= 14336
-#              for 2048 <= H <= 3072 (measured there); H=4096 keeps the cuBLAS path (its T=512 win is given up: no
-#              measurement between T=512 and 4096). Below T=512 (decode) and outside these sizes: not measured.
-#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.155 1.038 0.990 0.999 | 1.030 0.987
-#              | 1.041 0.989; at H=2048 T=1024/2048/4096 in three more runs of the same forward kernel: 1.024 1.024
-#              0.974, 0.971 0.974 0.978 and 0.974 0.985 0.980; at H=3072 / H=4096, T=4096: 0.982 1.015 1.001 /
-#              1.021 1.031 0.987. Kernel time per step (torch.profiler, T=4096, H=2048): the fused forward 719 us
-#              against 712 + 96 us for the two GEMMs and the activation kernel. Used for H = 2048, T >= 4096,
-#              I >= 14336 (0.974-0.999 in all four runs); T=2048 won three of four (0.974-1.024), T <= 1024 and
-#              H >= 3072 measured either way -> cuBLAS path.
-#   bwd        (fwd+bwd with only the backward fused) 1.074 1.073 1.021 1.015 | 1.034 0.982 | 1.065 0.992; sweeps at
-#              H=2048 T=4096: 0.986 0.999 0.991. Its kernel alone takes 537 us against 392 us for the cuBLAS GEMM (whose
-#              elementwise pass the fused epilogue replaces: ~200 us): the epilogue's gate/up reads and three stores
-#              are not hidden behind the other warpgroup's MMAs. -> cuBLAS path. Tried too (H200, T=4096 H=2048
-#              I=16384): 4-byte accesses in the accumulator layout (1.03-1.06; the epilogue now
-#              transposes dh within each quad of lanes and accesses 16 bytes per thread); the producer warp
-#              prefetching each tile's gate/up into L2 (cp.async.bulk.prefetch) ahead of its epilogue (kernel alone
-#              610-774 us); loads further ahead (6 groups instead of 3: no change); the stock TMA epilogue with a
-#              visitor tree, loading and storing through shared memory that the mainloop's stages give up (1.13-1.29,
-#              branch `bwd-evt`).
+# H200, bf16, gelu_tanh, 9 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576 T=512/4096
+# | H=4096 I=14336 T=512/4096 (epilogue.csv, build _fused_mlp_cuda_ff1426d4aa; "earlier": the CSVs of earlier builds
+# with the same forward kernel, and runs of benchmarks/epilogue.py's providers in other processes):
+#   fwd        0.946 0.972 0.920 0.906 | 0.961 0.953 | 0.963 0.994 (earlier: 0.953 0.942 0.934 0.921 | 0.987 0.958 |
+#              0.969 1.004, and H=4096 T=4096 1.02-1.04 in three runs). The fused forward saves one pass over [T, I],
+#              worth less against the GEMM the deeper H is: at H=4096, T=4096 it wins by little or not at all. Used
+#              from T >= 512 and I >= 14336 for 2048 <= H <= 3072; H=4096 keeps the cuBLAS path (its T=512 win is
+#              given up: no measurement between T=512 and 4096). Below T=512 (decode) and outside these sizes: not
+#              measured.
+#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.074 1.022 1.000 0.978 | 1.007 0.999
+#              | 1.029 0.997 (earlier: 1.155 1.038 0.990 0.999 | 1.030 0.987 | 1.041 0.989; at H=2048 T=4096 also
+#              0.974 0.978 0.980 in three runs, and 0.982 1.001 in two runs of this build). Kernel time per step
+#              (torch.profiler, T=4096, H=2048): the fused forward 719 us against 712 + 96 us for the two GEMMs and
+#              the activation kernel. Used for H = 2048, T >= 4096, I >= 14336; T=2048 and H >= 3072 measured either
+#              way, T <= 1024 slower -> cuBLAS path.
+#   bwd        (fwd+bwd with only the backward fused) 1.206 1.061 1.007 0.982 | 1.025 0.990 | 1.063 0.997; at H=2048
+#              T=4096 also 0.989 in a --quick run of the same build, and with both passes fused 0.961 here, 0.975 and
+#              0.980 in two more runs. Its kernel alone, T=4096 H=2048: 520-541 us against 392-417 us for the cuBLAS
+#              GEMM plus ~200 us for the elementwise pass it replaces; with no epilogue at all the same kernel takes
+#              378-389 us, so the epilogue still costs ~140 us that the other warpgroup's MMAs do not hide (measured
+#              with parts of it switched off: without its loads it still costs ~60-70 us, without its stores ~95-100
+#              us; it slows the concurrent mainloop more than it waits for memory). Used for T >= 4096, I >= 14336,
+#              2048 <= H <= 3072; H=4096 (0.997, and 0.992 for the earlier register-only epilogue) and T <= 2048 keep
+#              the cuBLAS path. Tried too (H200, T=4096 H=2048 I=16384): the epilogue loading gate/up straight into
+#              registers, a few groups ahead, after an L2 prefetch (kernel 537 us; now: all of the tile's gate/up at
+#              once into shared memory, see gated_gemm_sm90.cu); 4-byte accesses in the accumulator layout (fwd+bwd
+#              1.03-1.06; now: 16-byte accesses after a transpose within each quad of lanes); the producer warp
+#              prefetching each tile's gate/up into L2 ahead of its epilogue (kernel 610-774 us); L2 evict-first hints
+#              on the epilogue's loads and stores, and tile swizzles 2 and 4 (no gain beyond noise); the stock TMA
+#              epilogue with a visitor tree, loading and storing through shared memory that the mainloop's stages give
+#              up (1.13-1.29, branch `bwd-evt`).
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
     "fwd": (512, 14336, 2048, 3072),
     "fwd_train": (4096, 14336, 2048, 2048),
+    "bwd": (4096, 14336, 2048, 3072),
 }
 
 
