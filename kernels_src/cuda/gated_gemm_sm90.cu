@@ -418,9 +418,8 @@ struct GatedEpilogue {
               quad_transpose(gw, q);
               quad_transpose(uw, q);
             }
-            const int m = m0 + get<0>(crd(0, b, 4 * g, mm, 0)), n = n0 + get<1>(crd(0, b, 4 * g, mm, 0)) + 6 * q;
-            if (m < params.M && n < params.N) {  // N is a multiple of 8: a block is all in or all out
-              const int64_t off = static_cast<int64_t>(m) * ld + n;
+            int64_t off;
+            if (block_at(crd, mm, b, g, q, m0, n0, off)) {
               *reinterpret_cast<uint4*>(h + off) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
               if (save) {
                 *reinterpret_cast<uint4*>(gate + off) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
@@ -439,13 +438,9 @@ struct GatedEpilogue {
       // columns. Every access is then 16 bytes (8 bf16/fp16) per thread, 64 contiguous bytes per quad and row.
       constexpr int G = J / 4, NG = MM * 2 * G;
       static_assert(J % 4 == 0, "the quad transpose takes the accumulator's 8-column blocks four at a time");
-      // group k: (mm, b, g); this lane's row, and the first of its 8 columns (block 4g + q: block 4g's first column
-      // is 2q left of this lane's pair in it, and blocks are 8 columns apart; checked by quad_layout_ok)
+      // group k = (mm, b, g): where this lane's block of it is (block_at)
       auto where = [&](int k, int64_t& off) {
-        const int mm = k / (2 * G), b = (k / G) % 2, g = k % G;
-        const int m = m0 + get<0>(crd(0, b, 4 * g, mm, 0)), n = n0 + get<1>(crd(0, b, 4 * g, mm, 0)) + 6 * q;
-        off = static_cast<int64_t>(m) * ld + n;
-        return m < params.M && n < params.N;  // N is a multiple of 8: a block is all in or all out
+        return block_at(crd, k / (2 * G), (k / G) % 2, k % G, q, m0, n0, off);
       };
       // Group k's dGeGLU from its gate/up block (8 elements each): h, dgate, dup stored 16 bytes at a time.
       auto finish = [&](int k, uint4 gv, uint4 uv) {
@@ -547,6 +542,17 @@ struct GatedEpilogue {
     }
   }
 
+  // Lane q's 8-column block after quad_transpose in accumulator group (mm, b, g), i.e. block 4g + q of row b of the
+  // 64-row block mm: its offset in the outputs (row stride ld), and whether it lies inside [M, N] (N is a multiple
+  // of 8: a block is all in or all out). Block 4g's first column is 2q left of lane q's own pair in it, and blocks
+  // are 8 columns apart (checked by quad_layout_ok): hence + 6q. One definition for both epilogues.
+  template <class Crd>
+  CUTLASS_DEVICE bool block_at(Crd const& crd, int mm, int b, int g, int q, int m0, int n0, int64_t& off) const {
+    const int m = m0 + cute::get<0>(crd(0, b, 4 * g, mm, 0)), n = n0 + cute::get<1>(crd(0, b, 4 * g, mm, 0)) + 6 * q;
+    off = static_cast<int64_t>(m) * params.ld + n;
+    return m < params.M && n < params.N;
+  }
+
   // a[i] <- a[i ^ q] for i in 0..3 (q = lane & 3): two levels of conditional swaps, selects only.
   template <class T>
   CUTLASS_DEVICE static void xor_permute(T (&a)[4], int q) {
@@ -614,7 +620,8 @@ struct Gemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using ClusterShape = typename Cfg::ClusterShape;
   static constexpr bool kDual = !kBwd;
-  static_assert(Kernel::SharedStorageSize <= 232448, "more shared memory than an sm_90 block can have");
+  static_assert(Kernel::SharedStorageSize <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "more shared memory than an sm_90 block can have");
 };
 
 }  // namespace fm_sm90
