@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -66,3 +67,53 @@ def opted_in(pairs):
                     setattr(cls, a, old[a])
                 elif a in cls.__dict__:
                     delattr(cls, a)
+
+
+def _sigmoid(z: float) -> float:
+    """sigmoid in double, accurate in both tails (never forms 1 - 1)."""
+    if z != z:
+        return z
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z) if z > -745 else 0.0
+    return e / (1.0 + e)
+
+
+def _gelu_tanh_z(x: float) -> float:
+    """2 sqrt(2/pi) (x + 0.044715 x^3): the sigmoid argument of tanh-GeLU (x itself beyond 1e100: no overflow)."""
+    return 2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x) if abs(x) < 1e100 else x
+
+
+def exact_act(act: str, x: float) -> float:
+    """The activation in Python double arithmetic, element by element: the platform-independent definition (PyTorch's
+    own fp32 CPU kernels disagree across machines at the extremes: with AVX-512, erf-GeLU(+inf) is NaN there), in
+    forms that keep their relative accuracy in the negative tails (0.5 x (1 + tanh u) and 0.5 x (1 + erf) cancel to
+    0 there even in double): tanh-GeLU = x sigmoid(2u), erf-GeLU = 0.5 x erfc(-x / sqrt 2)."""
+    if act == "silu":
+        return x / (1.0 + math.exp(-x)) if x > -700 else (x * math.exp(x) if x == x and x != -math.inf else x * 0.0)
+    if act == "gelu":
+        return 0.5 * x * math.erfc(-x / math.sqrt(2.0))
+    return x * _sigmoid(_gelu_tanh_z(x))
+
+
+# 16-bit tails, absolute tolerances per activation. tanh-GeLU and SiLU (the MUFU ex2/rcp forms, flushed to zero
+# below 2^-126): act(x) far in the negative tail is x e^z with e^z below fp32's normal range, about 1e-36 and less;
+# flushing gives 0 there, as PyTorch's own fp32 forms do (its 1 + tanh and 1 / (1 + e^-x) reach 0 sooner). erf-GeLU
+# on CUDA takes Phi = 0.5 + 0.5 erff as PyTorch does (kernels_src/cuda/geglu.cu says why: erfcf would make the
+# elementwise kernel compute-bound), accurate to ~2^-24 absolute, not relative, below x = -3; the CPU forms are
+# relatively accurate there too.
+TAIL_ATOL = {"gelu_tanh": 1e-34, "silu": 1e-34, "gelu": 1e-6}
+TAILS = [0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 2.0, -2.0, 5.0, -5.0, 9.5, -9.5, 10.2, -10.2, 12.0, -12.0, 30.0,
+         -30.0, 88.0, -88.0, 90.0, -90.0, 110.0, -110.0, 1000.0, -1000.0]
+
+
+def exact_grad(act: str, x: float) -> float:
+    """d act / dx in double for finite x, accurate in the tails (as exact_act)."""
+    if act == "silu":
+        sg = _sigmoid(x)
+        return sg * (1.0 + x * (1.0 - sg)) if x >= 0 else sg + x * sg * _sigmoid(-x)
+    if act == "gelu":
+        return 0.5 * math.erfc(-x / math.sqrt(2.0)) + x * math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    z = _gelu_tanh_z(x)
+    dz = 2.0 * math.sqrt(2.0 / math.pi) * (1.0 + 3.0 * 0.044715 * x * x)
+    return _sigmoid(z) + x * _sigmoid(z) * _sigmoid(-z) * dz

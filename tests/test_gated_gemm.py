@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule
+from _utils import TAIL_ATOL, TAILS, assert_2x_rule, exact_act, exact_grad
 from conftest import CUDA
 
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -96,6 +96,45 @@ def test_bwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     assert_2x_rule(out_h, h32.detach(), hs.detach(), name="h")
     assert_2x_rule(dgate, g32.grad, gs.grad, name="dgate")
     assert_2x_rule(dup, u32.grad, us.grad, name="dup")
+
+
+@needs_sm90
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_epilogues_on_the_tails(fm, monkeypatch, schedule, dtype, act):
+    """Both epilogues on far-tail activations, as the elementwise kernels (test_geglu): within one rounding of the
+    exact h, dgate, dup up to the flushed range (TAIL_ATOL). Exact inputs: gate = x[:, 0] and up = x[:, 1] through
+    one-hot weights; dh = 1."""
+    monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
+    t, h, i = len(TAILS), 8, 64
+    x = torch.zeros(t, h, device="cuda", dtype=dtype)
+    x[:, 0] = torch.tensor(TAILS, dtype=dtype)
+    x[:, 1] = 1
+    vals = x[:, 0].double().cpu().tolist()
+    wg = torch.zeros(i, h, device="cuda", dtype=dtype)
+    wg[:, 0] = 1
+    wu = torch.zeros(i, h, device="cuda", dtype=dtype)
+    wu[:, 1] = 1
+    rtol = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype] * 1.01  # one ulp of the dtype
+    act_ref = torch.tensor([exact_act(act, v) for v in vals], dtype=torch.float64).to(dtype).double()[:, None]
+    grad_ref = torch.tensor([exact_grad(act, v) for v in vals], dtype=torch.float64).to(dtype).double()[:, None]
+
+    def close(out, ref, name):
+        torch.testing.assert_close(out.double().cpu(), ref.expand(t, i), rtol=rtol, atol=TAIL_ATOL[act], msg=name)
+
+    out, gate, up = fm._ops.ops.gated_gemm_fwd(x, wg, wu, act, True)
+    close(out, act_ref, "h (forward)")
+    assert torch.equal(gate.double().cpu(), torch.tensor(vals, dtype=torch.float64)[:, None].expand(t, i))
+    assert bool((up == 1).all())
+    dy = torch.zeros(t, h, device="cuda", dtype=dtype)
+    dy[:, 0] = 1
+    wd = torch.zeros(h, i, device="cuda", dtype=dtype)
+    wd[0] = 1  # dh = dy @ wd = 1
+    out_h = fm._ops.ops.gated_gemm_bwd_(dy, wd, gate, up, act)
+    close(out_h, act_ref, "h (backward)")
+    close(gate, grad_ref, "dgate")
+    close(up, act_ref, "dup")
 
 
 @needs_sm90

@@ -5,12 +5,10 @@ argument errors."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import FLOOR, assert_2x_rule
+from _utils import FLOOR, TAIL_ATOL, TAILS, assert_2x_rule, exact_act, exact_grad
 from conftest import CUDA
 
 ACTS = ["gelu_tanh", "gelu", "silu"]
@@ -72,17 +70,6 @@ def test_reference_functions(fm, device):
     torch.testing.assert_close(fm.swiglu_reference(gate, up), (F.silu(gate.float()) * up.float()).bfloat16())
 
 
-def exact_act(act: str, x: float) -> float:
-    """The activation in Python double arithmetic, element by element: the platform-independent definition (PyTorch's
-    own fp32 CPU kernels disagree across machines at the extremes: with AVX-512, erf-GeLU(+inf) is NaN there)."""
-    if act == "silu":
-        return x / (1.0 + math.exp(-x)) if x > -700 else (x * math.exp(x) if x == x and x != -math.inf else x * 0.0)
-    if act == "gelu":
-        return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
-    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x) if abs(x) < 1e100 else x
-    return 0.5 * x * (1.0 + math.tanh(inner))
-
-
 @pytest.mark.parametrize("act", ACTS)
 def test_tails_and_specials(fm, device, act):
     """Far tails (the stable sigmoid/erfc forms), NaN and Inf propagate as the exact definition says."""
@@ -99,6 +86,31 @@ def test_tails_and_specials(fm, device, act):
     # Finite values against fp64 (PyTorch's fp32 tanh/erf forms cancel in the negative tail; ours do not).
     ref64 = (torch_act(act, gate.double()) * up.double()).float()
     torch.testing.assert_close(out[fin], ref64[fin], rtol=4e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_tails_and_specials_16bit(fm, device, act, dtype):
+    """The 16-bit kernels' fast forms: h and dgate in both tails within one rounding of the exact value (up to the
+    flushed range, TAIL_ATOL), and NaN/Inf in the forward as the exact definition says."""
+    specials = [float("nan"), float("inf"), -float("inf"), 1e20, -1e20, 3e38, -3e38]
+    gate = torch.tensor(TAILS + specials, dtype=dtype, device=device)
+    xs = gate.double().tolist()  # the values as the dtype holds them (fp16: the large ones are +-inf)
+    up = torch.ones_like(gate)
+    out = call(fm, act, gate, up)
+    ref = torch.tensor([exact_act(act, v) for v in xs], dtype=torch.float64)
+    assert torch.equal(torch.isnan(out).cpu(), torch.isnan(ref)), (out, ref)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(out).cpu(), torch.isinf(ref))
+    assert torch.equal(out.cpu()[~fin & ~torch.isnan(ref)].double(), ref[~fin & ~torch.isnan(ref)])
+    rtol = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype] * 1.01  # half an ulp of the dtype, and a hair
+    torch.testing.assert_close(out.cpu().double()[fin], ref.to(dtype).double()[fin], rtol=2 * rtol, atol=TAIL_ATOL[act])
+    # backward on the tails (|x| <= 1000: beyond, x^2 overflows fp32 in act' as in PyTorch's own fp32 formula)
+    g = torch.tensor(TAILS, dtype=dtype, device=device).requires_grad_()
+    u = torch.ones_like(g).requires_grad_()
+    call(fm, act, g, u).backward(torch.ones_like(g))
+    ref_d = torch.tensor([exact_grad(act, v) for v in g.detach().double().tolist()], dtype=torch.float64)
+    torch.testing.assert_close(g.grad.cpu().double(), ref_d.to(dtype).double(), rtol=2 * rtol, atol=TAIL_ATOL[act])
 
 
 @pytest.mark.parametrize("act", ACTS)

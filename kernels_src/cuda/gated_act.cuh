@@ -24,39 +24,79 @@ constexpr float kGeluTanhCubic = 0.044715f;
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
-// FAST (16-bit outputs): ex2.approx and rcp.approx (MUFU, ~2 ulp of fp32) instead of the IEEE-accurate expf and
-// reciprocal, whose range reduction and slow-path subroutine calls made the bf16 kernels issue-bound (ncu on the
-// H200: 70% issue-active at 73% of copy bandwidth; 16 CALLs per 16 elements in the SASS). 2 ulp of fp32 is
-// 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp, so the rounded result is the correctly rounded one except in
-// rare ties; fp32 outputs keep the accurate functions.
+// FAST (16-bit outputs): the MUFU forms ex2.approx.ftz and rcp.approx.ftz (~2 ulp of fp32) instead of the
+// IEEE-accurate expf and reciprocal, whose range reduction and slow-path subroutine calls made the bf16 kernels
+// issue-bound (ncu on the H200: 70% issue-active at 73% of copy bandwidth; 16 CALLs per 16 elements in the SASS).
+// 2 ulp of fp32 is 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp, so the rounded result is the correctly rounded
+// one except in rare ties. The .ftz forms: without it ptxas wraps every ex2 in a denormal-range test, two
+// predicated multiplies and one shared predicate register, which serialised the GEMM epilogues' eight independent
+// elements (ncu source counters, H200: 37 instructions per element in the backward epilogue, now 31). ftz only
+// changes e^z below 2^-126 (|z| > 87) from a denormal to 0, where act(x) is below 1e-36 and 0 in fp32 PyTorch as
+// well; 1 + e is in [1, 2]. log2(e) is folded into the callers' constants (zl = z log2 e), saving one multiply per
+// element. fp32 outputs keep the accurate functions.
+constexpr float kLog2e = 1.44269504088896340736f;
+
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// s = sigmoid(z) and ds = s (1 - s) = d sigmoid / dz, from e = exp(-|z|) (never overflows): for z >= 0 s = 1 / (1 + e),
+// else e / (1 + e). FAST takes zl = z log2(e) (same sign), the accurate form z itself.
 template <bool FAST>
-__device__ __forceinline__ void sigmoid_and_slope(float z, float& s, float& ds) {
+__device__ __forceinline__ void sigmoid_and_slope(float z_or_zl, float& s, float& ds) {
   float e, r;
   if constexpr (FAST) {
-    e = __expf(-fabsf(z));
-    r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: no range issues
+    e = ex2_ftz(-fabsf(z_or_zl));
+    r = rcp_ftz(1.0f + e);  // 1 + e in [1, 2]: no range issues
   } else {
-    e = expf(-fabsf(z));
+    e = expf(-fabsf(z_or_zl));
     r = __frcp_rn(1.0f + e);
   }
   const float er = e * r;
-  s = z >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
+  s = z_or_zl >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
   ds = er * r;
 }
 
 template <bool FAST>
 __device__ __forceinline__ float exp_of(float x) {
   if constexpr (FAST) {
-    return __expf(x);
+    return ex2_ftz(x * kLog2e);
   } else {
     return expf(x);
+  }
+}
+
+// tanh-GeLU: act = x sigmoid(z), z = 2 sqrt(2/pi) (x + c x^3); act' = s + x s (1 - s) dz/dx. FAST: z log2(e) =
+// x (B + A x^2) with the factors folded into two constants (one FFMA, one FMUL), dz/dx = D + C x^2 (one FFMA); the
+// accurate form keeps the formula it always had (fp32 outputs unchanged to the bit).
+template <bool FAST>
+__device__ __forceinline__ float gelu_tanh_z(float x, float x2) {
+  if constexpr (FAST) {
+    return x * fmaf(2.0f * kSqrt2OverPi * kGeluTanhCubic * kLog2e, x2, 2.0f * kSqrt2OverPi * kLog2e);
+  } else {
+    return 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x2, 1.0f);
+  }
+}
+template <bool FAST>
+__device__ __forceinline__ float gelu_tanh_dz(float x2) {
+  if constexpr (FAST) {
+    return fmaf(2.0f * kSqrt2OverPi * 3.0f * kGeluTanhCubic, x2, 2.0f * kSqrt2OverPi);
+  } else {
+    return 2.0f * kSqrt2OverPi * fmaf(3.0f * kGeluTanhCubic, x2, 1.0f);
   }
 }
 
 template <Act A, bool FAST>
 __device__ __forceinline__ float act_fwd(float x) {
   if constexpr (A == Act::kGeluTanh) {
-    const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x * x, 1.0f);
+    const float z = gelu_tanh_z<FAST>(x, x * x);
     float s, ds;
     sigmoid_and_slope<FAST>(z, s, ds);
     return x * s;
@@ -64,7 +104,7 @@ __device__ __forceinline__ float act_fwd(float x) {
     return x * fmaf(0.5f, erff(x * kInvSqrt2), 0.5f);
   } else {
     float s, ds;
-    sigmoid_and_slope<FAST>(x, s, ds);
+    sigmoid_and_slope<FAST>(FAST ? x * kLog2e : x, s, ds);
     return x * s;
   }
 }
@@ -73,8 +113,8 @@ template <Act A, bool FAST>
 __device__ __forceinline__ void act_fwd_bwd(float x, float& a, float& da) {
   if constexpr (A == Act::kGeluTanh) {
     const float x2 = x * x;
-    const float z = 2.0f * kSqrt2OverPi * x * fmaf(kGeluTanhCubic, x2, 1.0f);
-    const float dz = 2.0f * kSqrt2OverPi * fmaf(3.0f * kGeluTanhCubic, x2, 1.0f);
+    const float z = gelu_tanh_z<FAST>(x, x2);
+    const float dz = gelu_tanh_dz<FAST>(x2);
     float s, ds;
     sigmoid_and_slope<FAST>(z, s, ds);
     a = x * s;
@@ -86,7 +126,7 @@ __device__ __forceinline__ void act_fwd_bwd(float x, float& a, float& da) {
     da = fmaf(x, pdf, cdf);
   } else {
     float s, ds;
-    sigmoid_and_slope<FAST>(x, s, ds);
+    sigmoid_and_slope<FAST>(FAST ? x * kLog2e : x, s, ds);
     a = x * s;
     da = fmaf(x, ds, s);
   }

@@ -18,9 +18,9 @@
 //   * GatedEpilogue: an epilogue on the accumulators in registers (CUTLASS's "no-smem" adapter) that pairs
 //     accumulator column c with c + BN/2 (the WGMMA accumulator layout gives one thread both, checked at compile
 //     time); the four lanes of a quad then transpose their values with shuffles, so that each thread reads and
-//     writes 8 adjacent elements (16 bytes) at a time. The backward's ping-pong epilogue first requests all of its
-//     tile's gate/up with cp.async into 64 KB of shared memory of its own (the mainloop keeps 5 stages instead of
-//     7), so it waits for memory once per tile.
+//     writes 8 adjacent elements (16 bytes) at a time. The backward's ping-pong epilogue streams its tile's
+//     gate/up with cp.async through a ring of 8 blocks per thread in 32 KB of shared memory of its own (the
+//     mainloop keeps 6 stages instead of 7), so the loads run 8 groups ahead of the math.
 // Other architectures never launch these kernels (Python dispatch checks the device; the entry points check it
 // again); on them the cuBLAS path runs. Without sm_90a in the build (FUSED_MLP_NO_ARCH) the entry points report
 // that.
@@ -332,6 +332,18 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {  // all but the newest N committed groups have landed
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+template <int kMax>
+__device__ __forceinline__ void cp_async_wait_upto(int n) {  // cp_async_wait<n> for a constant (unrolled) n <= kMax
+  if constexpr (kMax > 0) {
+    if (n >= kMax) {
+      cp_async_wait<kMax>();
+      return;
+    }
+    cp_async_wait_upto<kMax - 1>(n);
+  } else {
+    cp_async_wait<0>();
+  }
+}
 
 // kBwd = false: accumulator columns [0, BN/2) are gate and [BN/2, BN) up (DualBMainloop); kBwd = true: the
 // accumulator is dh over BN output columns. kStaged (backward, ping-pong only): the epilogue reads the tile's
@@ -348,9 +360,10 @@ struct GatedEpilogue {
   static_assert(!kStaged || kBwd, "only the backward epilogue reads inputs");
   // per thread: kBM * kBN / 128 accumulators in groups of 8 columns (one 16-byte access of gate and of up each)
   static constexpr int kStagedGroups = cute::size<0>(TileShape{}) * cute::size<1>(TileShape{}) / (128 * 8);
+  static constexpr int kStagedDepth = kStagedGroups / 2;  // groups in flight per thread (slots)
   struct StagedStorage {
-    alignas(128) uint4 gate[kStagedGroups][128];  // [group][thread]: a warp's accesses are 512 contiguous bytes
-    alignas(128) uint4 up[kStagedGroups][128];
+    alignas(128) uint4 gate[kStagedDepth][128];  // [slot][thread]: a warp's accesses are 512 contiguous bytes
+    alignas(128) uint4 up[kStagedDepth][128];
   };
   struct NoStorage {};
   using SharedStorage = cute::conditional_t<kStaged, StagedStorage, NoStorage>;
@@ -476,29 +489,35 @@ struct GatedEpilogue {
         }
       };
       if constexpr (kStaged) {
-        // Every gate/up block of the tile is requested at once with cp.async into shared memory, which holds no
-        // registers (the accumulators take most of them): one memory latency per tile, not one per few groups,
-        // so the epilogue stays shorter than the other warpgroup's mainloop it overlaps. Two commit groups (the
-        // two halves of the tile): the first half is processed while the second is still arriving. Each thread
-        // reads back only what it requested itself (cp.async.wait_group orders that), so no barrier is needed;
-        // the other warpgroup's epilogue, which reuses the buffer, starts only after this one has ended.
+        // The tile's gate/up blocks stream through shared memory, which holds no registers (the accumulators take
+        // most of them), with cp.async: a ring of D = NG/2 slots per thread, one commit group per accumulator group,
+        // D groups in flight; group k's slot is refilled with group k + D right after group k is done. So the
+        // loads run D groups ahead of the math, in 32 KB: the mainloop keeps 6 stages (H200, kernel alone at
+        // T=4096, H=2048, three runs in one call: 483/464/479 us vs 506/510/498 with the whole tile requested at
+        // once into 64 KB and 5 stages). Each thread reads back and refills only its own slots (cp.async.wait_group
+        // orders that), so no barrier is needed; the other warpgroup's epilogue, which reuses the buffer, starts
+        // only after this one has ended (the ping-pong's math order barrier).
         static_assert(NG == kStagedGroups && NG % 2 == 0, "staged epilogue: unexpected accumulator size");
+        constexpr int D = kStagedDepth;
         auto& st = *reinterpret_cast<StagedStorage*>(smem);
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < NG; ++k) {
+        auto issue = [&](int k) {
           int64_t off;
           if (where(k, off)) {
-            cp_async_16(&st.gate[k][tid], gate + off);
-            cp_async_16(&st.up[k][tid], up + off);
+            cp_async_16(&st.gate[k % D][tid], gate + off);
+            cp_async_16(&st.up[k % D][tid], up + off);
           }
-          if (k == NG / 2 - 1) cp_async_commit();
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
+          cp_async_commit();  // one commit group per accumulator group, empty or not (the waits count them)
+        };
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < D; ++k) issue(k);
         CUTLASS_PRAGMA_UNROLL
         for (int k = 0; k < NG; ++k) {
-          if (k == NG / 2) cp_async_wait<0>();
-          finish(k, st.gate[k][tid], st.up[k][tid]);
+          // group k has landed: all but the newest (committed - k - 1) groups (a constant once unrolled)
+          cp_async_wait_upto<D>(((D + k < NG) ? D + k : NG) - k - 1);
+          finish(k, st.gate[k % D][tid], st.up[k % D][tid]);
+          // slot k % D is free again: finish's stores consumed what it read (and the asm's memory clobber keeps
+          // them in program order before the next cp.async)
+          if (k + D < NG) issue(k + D);
         }
       } else {
         // Each element is read before it is written, by the same thread; the compiler cannot know that a later
@@ -638,8 +657,9 @@ namespace {
 // backward fused (7 interleaved rounds): ping-pong 0.986 1.002 1.004 | 1.007 | 1.002, cooperative 0.994 1.008 1.002
 // | 1.010 | 1.016 at H=2048 I=16384 T=4096/1024/2048 | H=3072 I=24576 T=4096 | H=4096 I=14336 T=4096 (before it,
 // with 4-byte accesses: cooperative 1.028-1.048, ping-pong 1.056-1.063). Since the ping-pong backward stages gate/up
-// in shared memory, its kernel alone (T=4096) takes 526 us at H=2048 and 816 us at H=4096, the cooperative one (loads
-// into registers) 617 and 942 us.
+// in shared memory, its kernel alone (T=4096) took 526 us at H=2048 and 816 us at H=4096, the cooperative one (loads
+// into registers) 617 and 942 us; with the shared-memory ring and the ftz MUFU forms (gated_act.cuh), 464-483 us at
+// H=2048 (cuBLAS GEMM alone 420-438 us in the same run).
 constexpr bool kFwdPingPong = true;
 constexpr bool kBwdPingPong = true;
 

@@ -39,36 +39,41 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 # tests/test_gated_gemm.py checks the table against that CSV).
 #
 # H200, bf16, gelu_tanh, 9 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576 T=512/4096
-# | H=4096 I=14336 T=512/4096 (epilogue.csv, build _fused_mlp_cuda_ff1426d4aa; "earlier": the CSVs of earlier builds
-# with the same forward kernel, and runs of benchmarks/epilogue.py's providers in other processes):
-#   fwd        0.946 0.972 0.920 0.906 | 0.961 0.953 | 0.963 0.994 (earlier: 0.953 0.942 0.934 0.921 | 0.987 0.958 |
-#              0.969 1.004, and H=4096 T=4096 1.02-1.04 in three runs). The fused forward saves one pass over [T, I],
-#              worth less against the GEMM the deeper H is: at H=4096, T=4096 it wins by little or not at all. Used
-#              from T >= 512 and I >= 14336 for 2048 <= H <= 3072; H=4096 keeps the cuBLAS path (its T=512 win is
-#              given up: no measurement between T=512 and 4096). Below T=512 (decode) and outside these sizes: not
-#              measured.
-#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.074 1.022 1.000 0.978 | 1.007 0.999
-#              | 1.029 0.997 (earlier: 1.155 1.038 0.990 0.999 | 1.030 0.987 | 1.041 0.989; at H=2048 T=4096 also
-#              0.974 0.978 0.980 in three runs, and 0.982 1.001 in two runs of this build). Kernel time per step
-#              (torch.profiler, T=4096, H=2048): the fused forward 719 us against 712 + 96 us for the two GEMMs and
-#              the activation kernel. Used for H = 2048, T >= 4096, I >= 14336; T=2048 and H >= 3072 measured either
+# | H=4096 I=14336 T=512/4096 (epilogue.csv, build _fused_mlp_cuda_a86c8b067c: the backward's shared-memory ring and
+# the ftz MUFU forms; "before": build ff1426d4aa, the same forward with non-ftz ex2 and the backward staging the whole
+# tile; "earlier": the CSVs of older builds and runs of benchmarks/epilogue.py's providers in other processes):
+#   fwd        0.973 0.926 0.926 0.905 | 0.968 0.960 | 0.931 1.019 (before: 0.946 0.972 0.920 0.906 | 0.961 0.953 |
+#              0.963 0.994; earlier: 0.953 0.942 0.934 0.921 | 0.987 0.958 | 0.969 1.004, and H=4096 T=4096 1.02-1.04
+#              in three runs). The fused forward saves one pass over [T, I], worth less against the GEMM the deeper H
+#              is: at H=4096, T=4096 it wins by little or not at all. Used from T >= 512 and I >= 14336 for 2048 <= H
+#              <= 3072; H=4096 keeps the cuBLAS path (its T=512 win is given up: no measurement between T=512 and
+#              4096). Below T=512 (decode) and outside these sizes: not measured.
+#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.160 1.022 0.987 0.978 | 1.019 0.987
+#              | 1.029 0.999 (before: 1.074 1.022 1.000 0.978 | 1.007 0.999 | 1.029 0.997; earlier: 1.155 1.038 0.990
+#              0.999 | 1.030 0.987 | 1.041 0.989; at H=2048 T=4096 also 0.974 0.978 0.980 in three runs). Kernel
+#              time per step (torch.profiler, T=4096, H=2048): the fused forward 719 us against 712 + 96 us for the
+#              two GEMMs and the activation kernel; alone (do_bench) 843 us against 849 us for one cuBLAS GEMM on the
+#              concatenated weights. Used for H = 2048, T >= 4096, I >= 14336; T=2048 and H >= 3072 measured either
 #              way, T <= 1024 slower -> cuBLAS path.
-#   bwd        (fwd+bwd with only the backward fused) 1.206 1.061 1.007 0.982 | 1.025 0.990 | 1.063 0.997; at H=2048
-#              T=4096 also 0.989 in a --quick run of the same build, and with both passes fused 0.961 here, 0.975 and
-#              0.980 in two more runs. Its kernel alone, T=4096 H=2048: 520-541 us against 392-417 us for the cuBLAS
-#              GEMM plus ~200 us for the elementwise pass it replaces; with no epilogue at all the same kernel takes
-#              378-389 us, so the epilogue still costs ~140 us that the other warpgroup's MMAs do not hide (measured
-#              with parts of it switched off: without its loads it still costs ~60-70 us, without its stores ~95-100
-#              us; it slows the concurrent mainloop more than it waits for memory). Used for T >= 4096, I >= 14336,
-#              2048 <= H <= 3072; H=4096 (0.997, and 0.992 for the earlier register-only epilogue) and T <= 2048 keep
-#              the cuBLAS path. Tried too (H200, T=4096 H=2048 I=16384): the epilogue loading gate/up straight into
-#              registers, a few groups ahead, after an L2 prefetch (kernel 537 us; now: all of the tile's gate/up at
-#              once into shared memory, see gated_gemm_sm90.cu); 4-byte accesses in the accumulator layout (fwd+bwd
-#              1.03-1.06; now: 16-byte accesses after a transpose within each quad of lanes); the producer warp
-#              prefetching each tile's gate/up into L2 ahead of its epilogue (kernel 610-774 us); L2 evict-first hints
-#              on the epilogue's loads and stores, and tile swizzles 2 and 4 (no gain beyond noise); the stock TMA
-#              epilogue with a visitor tree, loading and storing through shared memory that the mainloop's stages give
-#              up (1.13-1.29, branch `bwd-evt`).
+#   bwd        (fwd+bwd with only the backward fused) 1.312 1.050 0.988 0.974 | 1.019 0.998 | 1.062 0.996 (before:
+#              1.206 1.061 1.007 0.982 | 1.025 0.990 | 1.063 0.997); with both passes fused at H=2048 T=4096 0.955
+#              (before 0.961, 0.975, 0.980). Its kernel alone, T=4096 H=2048: 464-484 us against 420-449 us for the
+#              cuBLAS GEMM (before 520-541 against 392-417) plus ~207 us for the elementwise pass it replaces; with no
+#              epilogue at all the same kernel took 378-389 us. At K = H = 64 (the epilogue alone, the two
+#              warpgroups' epilogues serialised) 264-272 us, 311 before the ftz forms: the epilogue is issue- and
+#              latency-bound (ncu source counters: 37 instructions per element before, 31 now; the denormal test
+#              around each non-ftz ex2 shared one predicate register across the eight elements of a group). Used for
+#              T >= 4096, I >= 14336, 2048 <= H <= 3072; H=4096 (0.996, before 0.997) and T <= 2048 (T=2048: 0.988
+#              in one run, 1.007 before) keep the cuBLAS path. Tried too (H200, T=4096 H=2048 I=16384): the epilogue
+#              loading gate/up straight into registers, a few groups ahead, after an L2 prefetch (kernel 537 us);
+#              all of the tile's gate/up at once into 64 KB of shared memory, 5 stages (520-541 us; 498-510 with the
+#              ftz forms; now: a ring of 8 groups in 32 KB, 6 stages, see gated_gemm_sm90.cu); 4-byte accesses in
+#              the accumulator layout (fwd+bwd 1.03-1.06; now: 16-byte accesses after a transpose within each quad
+#              of lanes); ldmatrix/stmatrix through a row-major staged tile (584 us); the producer warp prefetching
+#              each tile's gate/up into L2 ahead of its epilogue (kernel 610-774 us); L2 evict-first hints on the
+#              epilogue's loads and stores, and tile swizzles 2 and 4 (no gain beyond noise); the stock TMA epilogue
+#              with a visitor tree, loading and storing through shared memory that the mainloop's stages give up
+#              (1.13-1.29, branch `bwd-evt`).
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
     "fwd": (512, 14336, 2048, 3072),
     "fwd_train": (4096, 14336, 2048, 2048),
