@@ -124,7 +124,7 @@ TARGETS: list[dict[str, Any]] = [
     dict(id="epi-fwd-h4096", device="cuda", op="gated_mlp_epilogue", mode="fwd", provider="epilogue",
          where={"T": (">=", 512), "H": (">=", 4096)}, check="vs_provider_ge", other="cublas", threshold=1.0,
          unit="x", text="GeGLU MLP inference fwd through the GEMM epilogue at H >= 4096, T >= 512 (0.99-1.04x the "
-                        "cuBLAS path's time at T = 4096 over five runs: DISPATCH keeps the cuBLAS path there)", source="issue 10"),
+                        "cuBLAS path's time at T = 4096 over six runs: DISPATCH keeps the cuBLAS path there)", source="issue 10"),
     dict(id="epi-train-fwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd",
          provider="epilogue_fwd", where={"T": (">=", 4096), "H": ("==", 2048)}, check="vs_provider_ge",
          other="cublas", threshold=1.0, unit="x",
