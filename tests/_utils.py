@@ -90,7 +90,7 @@ def exact_act(act: str, x: float) -> float:
     forms that keep their relative accuracy in the negative tails (0.5 x (1 + tanh u) and 0.5 x (1 + erf) cancel to
     0 there even in double): tanh-GeLU = x sigmoid(2u), erf-GeLU = 0.5 x erfc(-x / sqrt 2)."""
     if act == "silu":
-        return x / (1.0 + math.exp(-x)) if x > -700 else (x * math.exp(x) if x == x and x != -math.inf else x * 0.0)
+        return x * _sigmoid(x)
     if act == "gelu":
         return 0.5 * x * math.erfc(-x / math.sqrt(2.0))
     return x * _sigmoid(_gelu_tanh_z(x))
@@ -109,9 +109,8 @@ TAILS = [0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 2.0, -2.0, 5.0, -5.0, 9.5, -9.5, 1
 
 def exact_grad(act: str, x: float) -> float:
     """d act / dx in double for finite x, accurate in the tails (as exact_act)."""
-    if act == "silu":
-        sg = _sigmoid(x)
-        return sg * (1.0 + x * (1.0 - sg)) if x >= 0 else sg + x * sg * _sigmoid(-x)
+    if act == "silu":  # s + x s (1 - s), with 1 - s = sigmoid(-x) (no cancellation)
+        return _sigmoid(x) + x * _sigmoid(x) * _sigmoid(-x)
     if act == "gelu":
         return 0.5 * math.erfc(-x / math.sqrt(2.0)) + x * math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
     z = _gelu_tanh_z(x)
