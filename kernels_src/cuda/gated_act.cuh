@@ -30,10 +30,10 @@ constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 // 2 ulp of fp32 is 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp, so the rounded result is the correctly rounded
 // one except in rare ties. The .ftz forms: without it ptxas wraps every ex2 in a denormal-range test, two
 // predicated multiplies and one shared predicate register, which serialised the GEMM epilogues' eight independent
-// elements (ncu source counters, H200: 37 instructions per element in the backward epilogue, now 31). ftz only
+// elements (ncu source counters, H200: 37 instructions per element in the backward epilogue, 31 with ftz). ftz only
 // changes e^z below 2^-126 (|z| > 87) from a denormal to 0, where act(x) is below 1e-36 and 0 in fp32 PyTorch as
-// well; 1 + e is in [1, 2]. log2(e) is folded into the callers' constants (zl = z log2 e), saving one multiply per
-// element. fp32 outputs keep the accurate functions.
+// well. log2(e) is folded into the callers' constants (zl = z log2 e), saving one multiply per element. fp32 outputs
+// keep the accurate functions.
 constexpr float kLog2e = 1.44269504088896340736f;
 
 __device__ __forceinline__ float ex2_ftz(float x) {
@@ -47,21 +47,27 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   return y;
 }
 
-// s = sigmoid(z) and ds = s (1 - s) = d sigmoid / dz, from e = exp(-|z|) (never overflows): for z >= 0 s = 1 / (1 + e),
-// else e / (1 + e). FAST takes zl = z log2(e) (same sign), the accurate form z itself.
+// s = sigmoid(z) and ds = s (1 - s) = d sigmoid / dz. FAST takes zl = z log2(e), the accurate form z itself.
+// FAST: s = 1 / (1 + 2^-zl) and ds = s - s^2, four instructions (MUFU ex2, add, MUFU rcp, fma). For zl -> -inf,
+// 2^-zl overflows to inf and s to 0 (below 2^-126: 0, ftz), both relative-accurate until then (s - s^2 ~ s). For
+// zl -> +inf, s rounds to 1 and s - s^2 loses its relative accuracy to cancellation once it is below ~1e-6: its
+// absolute error stays below 2^-24, and the callers add it to s ~ 1 (times x dz: a few 1e-6 of s at most, far below a
+// 16-bit ulp); at s = 1 exactly, ds = 0 (the 2^-24-accurate rounding of e^-z). Before: e = exp(-|z|), r = 1/(1+e),
+// s = z >= 0 ? r : e r, ds = e r^2, which is relative-accurate on both tails but took three more instructions per
+// element (a multiply, a compare and a select), 10% of the GEMM backward epilogue's.
+// Accurate form: e = exp(-|z|) (never overflows): for z >= 0 s = 1 / (1 + e), else e / (1 + e); ds = e / (1 + e)^2.
 template <bool FAST>
 __device__ __forceinline__ void sigmoid_and_slope(float z_or_zl, float& s, float& ds) {
-  float e, r;
   if constexpr (FAST) {
-    e = ex2_ftz(-fabsf(z_or_zl));
-    r = rcp_ftz(1.0f + e);  // 1 + e in [1, 2]: no range issues
+    s = rcp_ftz(1.0f + ex2_ftz(-z_or_zl));  // NaN in: NaN out
+    ds = fmaf(-s, s, s);
   } else {
-    e = expf(-fabsf(z_or_zl));
-    r = __frcp_rn(1.0f + e);
+    const float e = expf(-fabsf(z_or_zl));
+    const float r = __frcp_rn(1.0f + e);
+    const float er = e * r;
+    s = z_or_zl >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
+    ds = er * r;
   }
-  const float er = e * r;
-  s = z_or_zl >= 0.0f ? r : er;  // NaN in: e, r, and so s are NaN
-  ds = er * r;
 }
 
 template <bool FAST>

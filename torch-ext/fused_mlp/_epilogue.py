@@ -61,8 +61,11 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 #              cuBLAS GEMM (before 520-541 against 392-417) plus ~207 us for the elementwise pass it replaces; with no
 #              epilogue at all the same kernel took 378-389 us. At K = H = 64 (the epilogue alone, the two
 #              warpgroups' epilogues serialised) 264-272 us, 311 before the ftz forms: the epilogue is issue- and
-#              latency-bound (ncu source counters: 37 instructions per element before, 31 now; the denormal test
-#              around each non-ftz ex2 shared one predicate register across the eight elements of a group). Used for
+#              latency-bound (ncu source counters: 37 instructions per element before, 31 with the ftz forms; the
+#              denormal test around each non-ftz ex2 shared one predicate register across the eight elements of a
+#              group). The sigmoid as 1 / (1 + 2^-z) with ds = s - s^2 (gated_act.cuh) takes about two more per
+#              element off: A/B against the previous build, three rounds in one call, kernel alone 440-460 us vs
+#              456-466 (K=64: 259-274 vs 285-324); forward kernels unchanged (806-828 us both). Used for
 #              T >= 4096, I >= 14336, 2048 <= H <= 3072; H=4096 (0.996, before 0.997) and T <= 2048 (T=2048: 0.988
 #              in one run, 1.007 before) keep the cuBLAS path. Tried too (H200, T=4096 H=2048 I=16384): the epilogue
 #              loading gate/up straight into registers, a few groups ahead, after an L2 prefetch (kernel 537 us);
@@ -73,7 +76,11 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 #              each tile's gate/up into L2 ahead of its epilogue (kernel 610-774 us); L2 evict-first hints on the
 #              epilogue's loads and stores, and tile swizzles 2 and 4 (no gain beyond noise); the stock TMA epilogue
 #              with a visitor tree, loading and storing through shared memory that the mainloop's stages give up
-#              (1.13-1.29, branch `bwd-evt`).
+#              (1.13-1.29, branch `bwd-evt`). The backward's other GEMMs (dW_down, dx, dW_gate, dW_up: cuBLAS) through
+#              CUTLASS's stock sm_90 ping-pong / cooperative kernels in the layouts they come in, no transposed copy:
+#              0.94-1.09x cuBLAS's time per GEMM at T=4096 (H=2048: ping-pong 0.998 / 1.042 / 1.014 for dW_down / dx /
+#              dW_gate; H=3072 and 4096: 1.02-1.09), fwd+bwd 3.81 ms vs 3.70 (cuBLAS); and dW_gate, dW_up as one GEMM
+#              on a [T, 2I] dgate|dup buffer: 793 us vs 2 x 388 (no gain): cuBLAS stays for all of them.
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
     "fwd": (512, 14336, 2048, 3072),
     "fwd_train": (4096, 14336, 2048, 2048),
