@@ -98,6 +98,37 @@ def test_bwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     assert_2x_rule(dup, u32.grad, us.grad, name="dup")
 
 
+def act_slope16(g16: torch.Tensor, act: str) -> torch.Tensor:
+    """act'(gate) as same-dtype PyTorch computes it (autograd of the activation in the dtype)."""
+    gs = g16.detach().clone().requires_grad_()
+    act_fn(act)(gs).backward(torch.ones_like(gs))
+    return gs.grad
+
+
+@op_cases
+def test_slopes_ops_match_reference(fm, monkeypatch, schedule, shape, dtype, act):
+    """The slopes form: the training forward's h, P = up act'(gate), Q = act(gate), and the backward's dgate = dh P,
+    dup = dh Q written over P and Q, each against fp32 math (2x rule)."""
+    monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)
+    t, h, i = shape
+    x, wg, wu, wd = operands(t, h, i, dtype, seed=7)
+    out, p, q = fm._ops.ops.gated_gemm_fwd_slopes(x, wg, wu, act)
+    g32, u32 = x.float() @ wg.float().t(), x.float() @ wu.float().t()
+    g16, u16 = x @ wg.t(), x @ wu.t()
+    assert_2x_rule(out, act_fn(act)(g32) * u32, act_fn(act)(g16) * u16, name="h")
+    assert_2x_rule(p, u32 * act_slope16(g32, act), u16 * act_slope16(g16, act), name="P")
+    assert_2x_rule(q, act_fn(act)(g32), act_fn(act)(g16), name="Q")
+    h_inf = fm._ops.ops.gated_gemm_fwd(x, wg, wu, act, False)[0]
+    assert torch.equal(out, h_inf), "h differs between the slopes and the inference forward"
+    # backward from these P, Q (as saved): fp32 dh times them against the same-dtype product
+    dy = torch.randn(t, h, device="cuda", dtype=dtype)
+    dh32, dh16 = dy.float() @ wd.float(), dy @ wd
+    p0, q0 = p.clone(), q.clone()
+    fm._ops.ops.gated_gemm_bwd_slopes_(dy, wd, p, q)
+    assert_2x_rule(p, dh32 * p0.float(), dh16 * p0, name="dgate")
+    assert_2x_rule(q, dh32 * q0.float(), dh16 * q0, name="dup")
+
+
 @needs_sm90
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=["default", "other"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -135,6 +166,15 @@ def test_epilogues_on_the_tails(fm, monkeypatch, schedule, dtype, act):
     close(out_h, act_ref, "h (backward)")
     close(gate, grad_ref, "dgate")
     close(up, act_ref, "dup")
+    # the slopes form: with up = 1, P = act'(gate) and Q = act(gate); with dh = 1 the backward returns them as they
+    # are (dgate = P, dup = Q: exact)
+    out_s, p, q = fm._ops.ops.gated_gemm_fwd_slopes(x, wg, wu, act)
+    close(out_s, act_ref, "h (slopes forward)")
+    close(p, grad_ref, "P")
+    close(q, act_ref, "Q")
+    p0, q0 = p.clone(), q.clone()
+    fm._ops.ops.gated_gemm_bwd_slopes_(dy, wd, p, q)
+    assert torch.equal(p, p0) and torch.equal(q, q0)
 
 
 @needs_sm90
@@ -156,6 +196,12 @@ def test_ops_check_their_arguments(fm):
         fm._ops.ops.gated_gemm_bwd_(x, wd, g, g, "gelu_tanh")
     with pytest.raises(RuntimeError, match="do not match"):
         fm._ops.ops.gated_gemm_bwd_(x, wd[:, :64].contiguous(), g, g.clone(), "gelu_tanh")
+    with pytest.raises(RuntimeError, match="single memory location|refer to a single"):
+        fm._ops.ops.gated_gemm_bwd_slopes_(x, wd, g, g)
+    with pytest.raises(RuntimeError, match="do not match"):
+        fm._ops.ops.gated_gemm_bwd_slopes_(x, wd[:, :64].contiguous(), g, g.clone())
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        fm._ops.ops.gated_gemm_fwd_slopes(x.float(), wg.float(), wu.float(), "gelu_tanh")
 
 
 @needs_sm90
@@ -166,24 +212,33 @@ def test_opcheck(fm):
     gate, up = x @ wg.t(), x @ wu.t()
     dy = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
     torch.library.opcheck(fm._ops.ops.gated_gemm_bwd_, (dy, wd, gate, up, "gelu_tanh"))
+    torch.library.opcheck(fm._ops.ops.gated_gemm_fwd_slopes, (x, wg, wu, "gelu"))
+    p, q = fm._ops.ops.gated_gemm_fwd_slopes(x, wg, wu, "gelu_tanh")[1:]
+    torch.library.opcheck(fm._ops.ops.gated_gemm_bwd_slopes_, (dy, wd, p, q))
 
 
 # ---- the MLP through them --------------------------------------------------------------------------------------
 
 
-def spy_dispatch(fm, monkeypatch) -> dict[str, list[bool]]:
-    """Record the fused-path decisions of the MLP's passes."""
-    taken: dict[str, list[bool]] = {}
-    ep = fm._epilogue
-    for name in ("fwd", "bwd"):
-        real = getattr(ep, f"use_{name}")
+def spy_ops(fm, monkeypatch) -> list[str]:
+    """Record the ops the MLP (geglu.py) calls, by name, in order."""
+    import sys
 
-        def spy(*a, real=real, name=name, **kw):
-            r = real(*a, **kw)
-            taken.setdefault(name, []).append(r)
-            return r
-        monkeypatch.setattr(ep, f"use_{name}", spy)
-    return taken
+    mod = sys.modules[fm._epilogue.__name__.rsplit(".", 1)[0] + ".geglu"]
+    real, called = mod.ops, []
+
+    class Recorder:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+    monkeypatch.setattr(mod, "ops", Recorder())
+    return called
+
+
+# The MLP's ops in training per FUSED_MLP_GEMM_EPILOGUE mode (forward, backward): both passes fused use the slopes
+# form; one fused pass saves gate/up.
+MLP_OPS = {"on": ["gated_gemm_fwd_slopes", "gated_gemm_bwd_slopes_"], "fwd": ["gated_gemm_fwd", "geglu_bwd_"],
+           "bwd": ["geglu_fwd", "gated_gemm_bwd_"], "off": ["geglu_fwd", "geglu_bwd_"]}
 
 
 def mlp_grads(fm, x, ws, act, dy):
@@ -195,17 +250,19 @@ def mlp_grads(fm, x, ws, act, dy):
 
 
 @needs_sm90
+@pytest.mark.parametrize("fused", ["on", "fwd", "bwd"])
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mlp_fused_vs_cublas_path_vs_reference(fm, mode, monkeypatch, dtype, act):
+def test_mlp_fused_vs_cublas_path_vs_reference(fm, mode, monkeypatch, dtype, act, fused):
+    """fused: both passes (the slopes form), or only the forward or the backward (gate/up saved)."""
     t, h, i = 300, 136, 520
     x, wg, wu, wd = operands(t, h, i, dtype, seed=3)
     x = x.view(3, 100, h)
     dy = torch.randn(3, 100, h, device="cuda", dtype=dtype)
-    mode("on")
-    taken = spy_dispatch(fm, monkeypatch)
+    mode(fused)
+    called = spy_ops(fm, monkeypatch)
     y_on, dx_on, dw_on = mlp_grads(fm, x, (wg, wu, wd), act, dy)
-    assert taken == {"fwd": [True], "bwd": [True]}, taken  # both fused kernels ran
+    assert called == MLP_OPS[fused], called  # the fused kernels of this mode ran
     with torch.no_grad():
         y_inf = fm.gated_mlp(x, wg, wu, wd, activation=act)
     mode("off")
@@ -260,7 +317,7 @@ def test_mlp_fused_under_compile_fullgraph(fm, mode):
 
     out = torch.compile(f, fullgraph=True, backend=backend)(xx)
     out.sum().backward()
-    assert len(graphs) == 1 and "gated_gemm_fwd" in graphs[0], graphs
+    assert len(graphs) == 1 and "gated_gemm_fwd_slopes" in graphs[0], graphs
     assert torch.equal(out, eager)
     # gradients: the 2x rule against the fp32 reference, with PyTorch's eager bf16 MLP as the same-dtype error
     x32 = xx.detach().float().requires_grad_()
@@ -276,8 +333,11 @@ def test_mlp_fused_under_compile_fullgraph(fm, mode):
 
 
 @needs_sm90
-def test_mlp_retain_graph_with_fused_forward(fm, mode):
-    mode("on")
+@pytest.mark.parametrize("fused", ["on", "fwd", "bwd"])
+def test_mlp_retain_graph_with_fused_kernels(fm, mode, fused):
+    """A second backward through the same graph gets the same gradients: the in-place backward kernels work on
+    copies of the saved tensors then."""
+    mode(fused)
     x, wg, wu, wd = operands(48, 64, 128, torch.bfloat16, seed=5)
     xx = x.requires_grad_()
     y = fm.gated_mlp(xx, wg, wu, wd)
@@ -287,6 +347,24 @@ def test_mlp_retain_graph_with_fused_forward(fm, mode):
     xx.grad = None
     y.backward(dy)
     assert torch.equal(xx.grad, first)
+
+
+@needs_sm90
+def test_mlp_slopes_form_takes_any_dy_layout(fm, mode):
+    """The slopes form is chosen in the forward, before dy's layout is known: an expanded (stride-0) dy, as from
+    y.sum().backward(), and a transposed one give the contiguous dy's gradients."""
+    mode("on")
+    x, wg, wu, wd = operands(64, 64, 128, torch.bfloat16, seed=8)
+    g = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    dys = {"contiguous": g.expand(64, 64).contiguous(), "expanded": g.expand(64, 64),
+           "transposed": g.expand(64, 64).t().contiguous().t()}
+    grads = {}
+    for name, dy in dys.items():
+        xx = x.detach().clone().requires_grad_()
+        fm.gated_mlp(xx, wg, wu, wd).backward(dy)
+        grads[name] = xx.grad
+    assert torch.equal(grads["expanded"], grads["contiguous"])
+    assert torch.equal(grads["transposed"], grads["contiguous"])
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------------------
@@ -304,6 +382,7 @@ def test_dispatch_rejects_what_the_kernels_cannot_take(fm, mode):
     ep = fm._epilogue
     x, wg, wu = torch.randn(16, 64).bfloat16(), torch.randn(128, 64).bfloat16(), torch.randn(128, 64).bfloat16()
     assert not ep.use_fwd(x, wg, wu, None, None)  # CPU
+    assert not ep.use_slopes(x, wg, wu, torch.randn(64, 128).bfloat16(), None, None)
     assert not ep.use_bwd(x, torch.randn(64, 128).bfloat16(), torch.randn(16, 128).bfloat16(),
                           torch.randn(16, 128).bfloat16())
     if CUDA:
@@ -316,6 +395,14 @@ def test_dispatch_rejects_what_the_kernels_cannot_take(fm, mode):
         assert not ep.use_fwd(c[0], c[1][:124], c[2][:124], None, None)  # I not a multiple of 8
         assert not ep.use_fwd(c[0].flatten()[1:1 + 15 * 64].view(15, 64), *c[1:], None, None)  # misaligned
         assert ep.use_fwd(*c, None, None) == SM90
+        wd = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        assert not ep.use_slopes(*c, wd.float(), None, None)  # w_down fp32
+        assert not ep.use_slopes(*c, wd[:60], None, None)  # H_out not a multiple of 8
+        assert not ep.use_slopes(*c, wd, torch.zeros(128, device="cuda", dtype=torch.bfloat16), None)  # biased
+        assert ep.use_slopes(*c, wd, None, None) == SM90
+        for only in ("fwd", "bwd"):  # one fused pass saves gate/up
+            mode(only)
+            assert not ep.use_slopes(*c, wd, None, None)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -336,12 +423,14 @@ def test_non_hopper_gpus_take_the_cublas_path_exactly(fm, mode, monkeypatch):
 
 
 # Which benchmark row measures each dispatch-table pass: (provider, mode) in benchmarks/epilogue.py's CSV.
-MEASURED_BY = {"fwd": ("epilogue", "fwd"), "fwd_train": ("epilogue_fwd", "fwd_bwd"), "bwd": ("epilogue_bwd", "fwd_bwd")}
+MEASURED_BY = {"fwd": ("epilogue", "fwd"), "fwd_train": ("epilogue_fwd", "fwd_bwd"), "bwd": ("epilogue_bwd", "fwd_bwd"),
+               "train": ("epilogue", "fwd_bwd")}
 
 
 def test_dispatch_table_bounds(fm):
     """The table's bounds (no GPU needed): the inference forward from T=512, I=14336, for 2048 <= H <= 3072; the
-    training forward from T=4096, I=14336, at H=2048; the backward from T=4096, I=14336, for 2048 <= H <= 3072."""
+    training forward from T=4096, I=14336, at H=2048; the backward, and both training passes (the slopes form), from
+    T=4096, I=14336, for 2048 <= H <= 3072."""
     ep = fm._epilogue
     assert ep.in_table("fwd", 4096, 16384, 2048) and ep.in_table("fwd", 512, 24576, 3072)
     assert not ep.in_table("fwd", 511, 16384, 2048)  # decode-sized: not measured
@@ -354,6 +443,10 @@ def test_dispatch_table_bounds(fm):
     assert not ep.in_table("bwd", 2048, 16384, 2048)  # measured either way (1.007)
     assert not ep.in_table("bwd", 4096, 14336, 4096)  # 0.997: within the noise
     assert not ep.in_table("bwd", 4096, 8192, 2048) and not ep.in_table("bwd", 4096, 16384, 1024)
+    assert ep.in_table("train", 4096, 16384, 2048) and ep.in_table("train", 4096, 24576, 3072)
+    assert not ep.in_table("train", 2048, 16384, 2048)  # measured either way
+    assert not ep.in_table("train", 4096, 14336, 4096)  # 1.004-1.016
+    assert not ep.in_table("train", 4096, 8192, 2048) and not ep.in_table("train", 4096, 16384, 1024)
 
 
 def test_dispatch_table_matches_the_committed_measurement(fm):
@@ -378,3 +471,4 @@ def test_dispatch_table_matches_the_committed_measurement(fm):
             assert fused is not None and cublas is not None, (pass_, h, i, t)
             if ep.in_table(pass_, t, i, h):
                 assert fused <= cublas, f"{pass_} at H={h} I={i} T={t}: fused {fused} ms > cuBLAS path {cublas} ms"
+

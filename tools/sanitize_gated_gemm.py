@@ -3,7 +3,8 @@
 runs it with --kernel-name kns=fm_sm90: the CUTLASS kernels are named after their template, not the op namespace).
 
 Both schedules (cooperative, ping-pong), bf16 and fp16, every activation, ragged shapes (T, I not multiples of the
-tiles, H not a multiple of the k-tile), forward with and without the saved pre-activations, backward in place.
+tiles, H not a multiple of the k-tile), forward with and without the saved pre-activations, backward in place; and the slopes form (forward saving
+P and Q, backward in place over them).
 Exits non-zero if a result disagrees with the fp32 reference, so a kernel that computes nothing fails too. Skips
 (exit 0, says so) on a GPU other than sm_90.
 """
@@ -60,6 +61,21 @@ def main() -> int:
                         err = (out.float() - r).abs().max().item()
                         if not err <= tol[dt] * max(1.0, r.abs().max().item()):
                             bad.append(f"{schedule} {dt} {t}x{h}x{i} {act} bwd {name}: {err:.3g}")
+                    # the slopes form: h, P = up act'(gate), Q = act(gate); dgate = dh P, dup = dh Q in place
+                    hs, p, q = ops.gated_gemm_fwd_slopes(x, wg, wu, act)
+                    g2, u2 = g32.clone().requires_grad_(), u32.clone()
+                    fn(g2).backward(torch.ones_like(g2))
+                    for name, out, r in (("h", hs, ref), ("P", p, u32 * g2.grad), ("Q", q, fn(g32))):
+                        err = (out.float() - r).abs().max().item()
+                        if not err <= tol[dt] * max(1.0, r.abs().max().item()):
+                            bad.append(f"{schedule} {dt} {t}x{h}x{i} {act} fwd_slopes {name}: {err:.3g}")
+                    dh32 = dy.float() @ wd.float()
+                    p0, q0 = p.float(), q.float()
+                    ops.gated_gemm_bwd_slopes_(dy, wd, p, q)
+                    for name, out, r in (("dgate", p, dh32 * p0), ("dup", q, dh32 * q0)):
+                        err = (out.float() - r).abs().max().item()
+                        if not err <= tol[dt] * max(1.0, r.abs().max().item()):
+                            bad.append(f"{schedule} {dt} {t}x{h}x{i} {act} bwd_slopes {name}: {err:.3g}")
     torch.cuda.synchronize()
     for b in bad:
         print("mismatch:", b)

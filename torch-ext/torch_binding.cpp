@@ -38,10 +38,13 @@
   ops.def("geglu_bwd_(Tensor(a!) dh, Tensor(b!) gate, Tensor(c!) up, str activation) -> ()");                  \
   /* GeGLU MLP GEMMs with the gated activation in the epilogue (CUDA sm_90 only; kernels_src/cuda/               \
      gated_gemm_sm90.cu). fwd: (h, gate, up), gate/up empty unless save_preact. bwd_: returns h, writes dgate    \
-     over gate and dup over up. */                                                                               \
+     over gate and dup over up. fwd_slopes: (h, P = up act'(gate), Q = act(gate)); bwd_slopes_: writes dgate =   \
+     dh P over P and dup = dh Q over Q. */                                                                       \
   ops.def("gated_gemm_fwd(Tensor x, Tensor w_gate, Tensor w_up, str activation, bool save_preact) "              \
           "-> (Tensor, Tensor, Tensor)");                                                                        \
-  ops.def("gated_gemm_bwd_(Tensor dy, Tensor w_down, Tensor(a!) gate, Tensor(b!) up, str activation) -> Tensor")
+  ops.def("gated_gemm_bwd_(Tensor dy, Tensor w_down, Tensor(a!) gate, Tensor(b!) up, str activation) -> Tensor"); \
+  ops.def("gated_gemm_fwd_slopes(Tensor x, Tensor w_gate, Tensor w_up, str activation) -> (Tensor, Tensor, Tensor)"); \
+  ops.def("gated_gemm_bwd_slopes_(Tensor dy, Tensor w_down, Tensor(a!) p, Tensor(b!) q) -> ()")
 
 #if defined(FUSED_MLP_STABLE_ABI)
 
@@ -71,6 +74,8 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("geglu_bwd_", TORCH_BOX(&geglu_bwd_inplace_cuda));
   ops.impl("gated_gemm_fwd", TORCH_BOX(&gated_gemm_fwd_cuda));
   ops.impl("gated_gemm_bwd_", TORCH_BOX(&gated_gemm_bwd_cuda));
+  ops.impl("gated_gemm_fwd_slopes", TORCH_BOX(&gated_gemm_fwd_slopes_cuda));
+  ops.impl("gated_gemm_bwd_slopes_", TORCH_BOX(&gated_gemm_bwd_slopes_cuda));
 }
 #endif
 
@@ -118,6 +123,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("geglu_bwd_", c10::kCUDA, &geglu_bwd_inplace_cuda);
   ops.impl("gated_gemm_fwd", c10::kCUDA, &gated_gemm_fwd_cuda);
   ops.impl("gated_gemm_bwd_", c10::kCUDA, &gated_gemm_bwd_cuda);
+  ops.impl("gated_gemm_fwd_slopes", c10::kCUDA, &gated_gemm_fwd_slopes_cuda);
+  ops.impl("gated_gemm_bwd_slopes_", c10::kCUDA, &gated_gemm_bwd_slopes_cuda);
 #endif
 }
 

@@ -96,4 +96,7 @@ std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Te
                                                        StrArg activation, bool save_preact);
 Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& gate, const Tensor& up,
                            StrArg activation);
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_slopes_cuda(const Tensor& x, const Tensor& w_gate,
+                                                              const Tensor& w_up, StrArg activation);
+void gated_gemm_bwd_slopes_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& p, const Tensor& q);
 #endif

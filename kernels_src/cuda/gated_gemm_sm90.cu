@@ -6,6 +6,8 @@
 //   backward  dh = dy W_d (fp32, never stored); from the saved gate, up:
 //             h = act(gate) * up, dgate = dh * up * act'(gate), dup = dh * act(gate); dgate and dup are written over
 //             gate and up (each element is read and written by one thread), h into its own buffer (for dW_down).
+//   the slopes form (both passes fused, see EpiArgs): the forward saves P = up * act'(gate) and Q = act(gate)
+//             next to h, the backward writes dgate = dh * P over P and dup = dh * Q over Q, and no h.
 //
 // Built on CUTLASS 3 (headers from the nvidia-cutlass registry package): the persistent warp-specialised kernels
 // (one TMA producer warp; ping-pong: two consumer warpgroups with a 128x128x64 tile each, taking turns at the
@@ -313,13 +315,22 @@ constexpr bool quad_layout_ok() {
   return true;
 }
 
+// What the training forward saves for the backward, and so what the backward's epilogue reads (`slopes`):
+//   preact (slopes = false): gate and up, rounded once each; the backward recomputes act and act' from gate and
+//     writes h (for dW_down) next to dgate and dup.
+//   slopes (slopes = true): P = up * act'(gate) and Q = act(gate) (rounded once each), next to h, which the forward
+//     writes anyway and which is then kept; the backward's epilogue is two multiplies per element, dgate = dh P and
+//     dup = dh Q, and writes no h. One [M, N] tensor more is saved (h), the backward's largest live set stays three
+//     (h, P, Q against gate, up, h), and the backward epilogue moves its activation math into the forward's, which
+//     runs behind the dual-B GEMM's twice-as-long mainloop.
 struct EpiArgs {
-  void* h = nullptr;        // [M, N] output (always)
-  void* gate = nullptr;     // fwd: optional [M, N] output (training); bwd: [M, N] input, dgate written over it
-  void* up = nullptr;       // fwd: optional output; bwd: input, dup written over it
+  void* h = nullptr;        // fwd: [M, N] output (always); bwd: [M, N] output (preact), unused (slopes)
+  void* gate = nullptr;     // fwd: optional [M, N] output (training: gate or P); bwd: input (gate or P), dgate over it
+  void* up = nullptr;       // fwd: optional output (up or Q); bwd: input (up or Q), dup written over it
   int64_t ld = 0;           // row stride of all of them (elements)
   int M = 0, N = 0;         // the real output shape
   Act act = Act::kGeluTanh;
+  bool slopes = false;      // the saved form (above)
 };
 
 // 16 bytes from global to shared memory without passing through registers (cp.async, L2 only), and its waits.
@@ -392,7 +403,8 @@ struct GatedEpilogue {
 
   CUTLASS_HOST_DEVICE GatedEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
 
-  template <Act A, class Acc, class Crd>
+  // A: the activation; kSlopes (backward only): the saved form is P, Q (EpiArgs), and A is not used.
+  template <Act A, bool kSlopes, class Acc, class Crd>
   CUTLASS_DEVICE void run(Acc const& acc, Crd const& crd, int m0, int n0, int tid, char* smem) const {
     using namespace cute;
     constexpr int J = size<2>(Acc{}), MM = size<3>(Acc{});
@@ -408,7 +420,9 @@ struct GatedEpilogue {
       // block 4g + q whole: 16-byte stores, 64 contiguous bytes per quad and row (see the backward below).
       constexpr int G = J / 8;
       static_assert(J % 8 == 0, "the quad transpose takes the gate half's 8-column blocks four at a time");
-      const bool save = gate != nullptr;
+      // save: gate and up (or P = up act'(gate) and Q = act(gate), params.slopes) next to h; a warp-uniform branch
+      // per group, which keeps one kernel for the three forms.
+      const bool save = gate != nullptr, slopes = params.slopes;
       CUTLASS_PRAGMA_UNROLL
       for (int mm = 0; mm < MM; ++mm) {
         CUTLASS_PRAGMA_UNROLL
@@ -416,15 +430,30 @@ struct GatedEpilogue {
           CUTLASS_PRAGMA_UNROLL
           for (int g = 0; g < G; ++g) {
             uint32_t hw[4], gw[4], uw[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int k = 0; k < 4; ++k) {
-              const int j = 4 * g + k;
-              const float g0 = acc(0, b, j, mm, 0), g1 = acc(1, b, j, mm, 0);
-              const float u0 = acc(0, b, j + J / 2, mm, 0), u1 = acc(1, b, j + J / 2, mm, 0);
-              using fused_mlp::cuda::act_fwd;
-              hw[k] = pack2<E>(act_fwd<A, true>(g0) * u0, act_fwd<A, true>(g1) * u1);
-              gw[k] = pack2<E>(g0, g1);
-              uw[k] = pack2<E>(u0, u1);
+            if (!slopes) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int k = 0; k < 4; ++k) {
+                const int j = 4 * g + k;
+                const float g0 = acc(0, b, j, mm, 0), g1 = acc(1, b, j, mm, 0);
+                const float u0 = acc(0, b, j + J / 2, mm, 0), u1 = acc(1, b, j + J / 2, mm, 0);
+                using fused_mlp::cuda::act_fwd;
+                hw[k] = pack2<E>(act_fwd<A, true>(g0) * u0, act_fwd<A, true>(g1) * u1);
+                gw[k] = pack2<E>(g0, g1);
+                uw[k] = pack2<E>(u0, u1);
+              }
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int k = 0; k < 4; ++k) {
+                const int j = 4 * g + k;
+                const float g0 = acc(0, b, j, mm, 0), g1 = acc(1, b, j, mm, 0);
+                const float u0 = acc(0, b, j + J / 2, mm, 0), u1 = acc(1, b, j + J / 2, mm, 0);
+                float a0, da0, a1, da1;
+                fused_mlp::cuda::act_fwd_bwd<A, true>(g0, a0, da0);
+                fused_mlp::cuda::act_fwd_bwd<A, true>(g1, a1, da1);
+                hw[k] = pack2<E>(a0 * u0, a1 * u1);
+                gw[k] = pack2<E>(u0 * da0, u1 * da1);  // P
+                uw[k] = pack2<E>(a0, a1);              // Q
+              }
             }
             quad_transpose(hw, q);
             if (save) {
@@ -469,7 +498,21 @@ struct GatedEpilogue {
         quad_transpose(d0, q);
         quad_transpose(d1, q);
         int64_t off;
-        if (where(k, off)) {
+        if (kSlopes) {  // gv, uv: P and Q; dgate = dh P, dup = dh Q, no h
+          if (where(k, off)) {
+            const uint32_t* pw = reinterpret_cast<const uint32_t*>(&gv);
+            const uint32_t* qw = reinterpret_cast<const uint32_t*>(&uv);
+            uint32_t dgw[4], duw[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int w = 0; w < 4; ++w) {
+              const float2 pp = unpack2<E>(pw[w]), qq = unpack2<E>(qw[w]);
+              dgw[w] = pack2<E>(d0[w] * pp.x, d1[w] * pp.y);
+              duw[w] = pack2<E>(d0[w] * qq.x, d1[w] * qq.y);
+            }
+            *reinterpret_cast<uint4*>(gate + off) = make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]);
+            *reinterpret_cast<uint4*>(up + off) = make_uint4(duw[0], duw[1], duw[2], duw[3]);
+          }
+        } else if (where(k, off)) {
           const uint32_t* gw = reinterpret_cast<const uint32_t*>(&gv);
           const uint32_t* uw = reinterpret_cast<const uint32_t*>(&uv);
           uint32_t hw[4], dgw[4], duw[4];
@@ -610,10 +653,14 @@ struct GatedEpilogue {
     auto crd = make_tensor(tCcD.data(), flatten(tCcD.layout()));
     const int m0 = static_cast<int>(get<0>(blk_coord_mnkl)) * kBM;
     const int n0 = static_cast<int>(get<1>(blk_coord_mnkl)) * (kBwd ? kBN : kBN / 2);
+    if (kBwd && params.slopes) {  // no activation math at all
+      run<Act::kGeluTanh, kBwd>(acc, crd, m0, n0, thread_idx, smem);
+      return;
+    }
     switch (params.act) {
-      case Act::kGeluTanh: run<Act::kGeluTanh>(acc, crd, m0, n0, thread_idx, smem); break;
-      case Act::kGeluErf: run<Act::kGeluErf>(acc, crd, m0, n0, thread_idx, smem); break;
-      case Act::kSilu: run<Act::kSilu>(acc, crd, m0, n0, thread_idx, smem); break;
+      case Act::kGeluTanh: run<Act::kGeluTanh, false>(acc, crd, m0, n0, thread_idx, smem); break;
+      case Act::kGeluErf: run<Act::kGeluErf, false>(acc, crd, m0, n0, thread_idx, smem); break;
+      case Act::kSilu: run<Act::kSilu, false>(acc, crd, m0, n0, thread_idx, smem); break;
     }
   }
 
@@ -792,31 +839,34 @@ void check_dtype(const Tensor& x) {
 
 using namespace fused_mlp::cuda;
 
-// h = act(x w_gate^T) * (x w_up^T); with save_preact also gate = x w_gate^T and up = x w_up^T.
-std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
-                                                       StrArg activation, bool save_preact) {
+namespace {
+
+// h = act(x w_gate^T) * (x w_up^T); save (EpiArgs): nothing, gate/up (preact) or P/Q (slopes) as the second and
+// third tensors, empty ([0, 0]) when nothing is saved.
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_impl(const char* op, const Tensor& x, const Tensor& w_gate,
+                                                       const Tensor& w_up, StrArg activation, bool save, bool slopes) {
   const Act act = parse_activation(activation);
-  FM_CHECK(x.is_cuda(), "fused_mlp: gated_gemm_fwd takes CUDA tensors");
+  FM_CHECK(x.is_cuda(), "fused_mlp: ", op, " takes CUDA tensors");
   check_dtype(x);
   check_2d(x, "x", x);
   check_2d(w_gate, "w_gate", x);
   check_2d(w_up, "w_up", x);
-  FM_CHECK(w_gate.size(1) == x.size(1) && fused_mlp::same_shape(w_gate, w_up), "fused_mlp: gated_gemm_fwd: x ", fused_mlp::shape_str(x),
-           ", w_gate ", fused_mlp::shape_str(w_gate), ", w_up ", fused_mlp::shape_str(w_up), " do not match ([T, H], [I, H], [I, H])");
+  FM_CHECK(w_gate.size(1) == x.size(1) && fused_mlp::same_shape(w_gate, w_up), "fused_mlp: ", op, ": x ",
+           fused_mlp::shape_str(x), ", w_gate ", fused_mlp::shape_str(w_gate), ", w_up ", fused_mlp::shape_str(w_up),
+           " do not match ([T, H], [I, H], [I, H])");
   check_sm90(x);
   const int64_t T = x.size(0), H = x.size(1), I = w_gate.size(0);
   FM_CHECK(H > 0 && I % 8 == 0 && I < (int64_t{1} << 30) && T < (int64_t{1} << 30) && H < (int64_t{1} << 30),
-           "fused_mlp: gated_gemm_fwd: H must be positive, I a multiple of 8 and every size below 2^30");
+           "fused_mlp: ", op, ": H must be positive, I a multiple of 8 and every size below 2^30");
   DeviceGuard guard(x);
-  // Without save_preact, gate and up come back empty ([0]).
   Tensor h = fused_mlp::empty({T, I}, x.scalar_type(), x);
-  Tensor gate = fused_mlp::empty({save_preact ? T : 0, save_preact ? I : 0}, x.scalar_type(), x);
-  Tensor up = fused_mlp::empty({save_preact ? T : 0, save_preact ? I : 0}, x.scalar_type(), x);
+  Tensor gate = fused_mlp::empty({save ? T : 0, save ? I : 0}, x.scalar_type(), x);
+  Tensor up = fused_mlp::empty({save ? T : 0, save ? I : 0}, x.scalar_type(), x);
 #ifndef FUSED_MLP_NO_ARCH
   if (T > 0 && I > 0) {
     const int dev = device_index(x);
-    const fm_sm90::EpiArgs epi{h.data_ptr(), save_preact ? gate.data_ptr() : nullptr,
-                               save_preact ? up.data_ptr() : nullptr, I, static_cast<int>(T), static_cast<int>(I), act};
+    const fm_sm90::EpiArgs epi{h.data_ptr(), save ? gate.data_ptr() : nullptr, save ? up.data_ptr() : nullptr, I,
+                               static_cast<int>(T), static_cast<int>(I), act, save && slopes};
     dispatch_16bit(x.scalar_type(), "x", [&](auto tag) {
       using E = decltype(tag);
       with_schedule("fwd", [&](auto cfg) {
@@ -838,38 +888,42 @@ std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Te
   return {h, gate, up};
 }
 
-// From dy [T, H], w_down [H, I] and the saved gate, up [T, I]: dh = dy w_down (fp32, not stored),
-// returns h = act(gate) * up and writes dgate over gate, dup over up.
-Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& gate, const Tensor& up,
-                           StrArg activation) {
-  const Act act = parse_activation(activation);
-  FM_CHECK(dy.is_cuda(), "fused_mlp: gated_gemm_bwd takes CUDA tensors");
+// dh = dy w_down (fp32, not stored) from dy [T, H], w_down [H, I]; a, b [T, I] are the saved gate, up (preact:
+// h = act(gate) * up is written into the returned tensor) or P, Q (slopes: nothing else is written); dgate is
+// written over a, dup over b.
+Tensor gated_gemm_bwd_impl(const char* op, const Tensor& dy, const Tensor& w_down, const Tensor& a, const Tensor& b,
+                           Act act, bool slopes) {
+  const char* an = slopes ? "p" : "gate";
+  const char* bn = slopes ? "q" : "up";
+  FM_CHECK(dy.is_cuda(), "fused_mlp: ", op, " takes CUDA tensors");
   check_dtype(dy);
   check_2d(dy, "dy", dy);
   check_2d(w_down, "w_down", dy);
-  check_2d(gate, "gate", dy);
-  check_2d(up, "up", dy);
-  FM_CHECK(w_down.size(0) == dy.size(1) && gate.size(0) == dy.size(0) && gate.size(1) == w_down.size(1) &&
-               fused_mlp::same_shape(gate, up),
-           "fused_mlp: gated_gemm_bwd: dy ", fused_mlp::shape_str(dy), ", w_down ", fused_mlp::shape_str(w_down), ", gate ", fused_mlp::shape_str(gate),
-           ", up ", fused_mlp::shape_str(up), " do not match ([T, H], [H, I], [T, I], [T, I])");
-  // gate and up are written in place while other CTAs still read dy and w_down through TMA
-  fused_mlp::check_no_overlap(gate, up, "gated_gemm_bwd: gate and up");
-  fused_mlp::check_no_overlap(gate, dy, "gated_gemm_bwd: gate and dy");
-  fused_mlp::check_no_overlap(up, dy, "gated_gemm_bwd: up and dy");
-  fused_mlp::check_no_overlap(gate, w_down, "gated_gemm_bwd: gate and w_down");
-  fused_mlp::check_no_overlap(up, w_down, "gated_gemm_bwd: up and w_down");
+  check_2d(a, an, dy);
+  check_2d(b, bn, dy);
+  FM_CHECK(w_down.size(0) == dy.size(1) && a.size(0) == dy.size(0) && a.size(1) == w_down.size(1) &&
+               fused_mlp::same_shape(a, b),
+           "fused_mlp: ", op, ": dy ", fused_mlp::shape_str(dy), ", w_down ", fused_mlp::shape_str(w_down), ", ", an,
+           " ", fused_mlp::shape_str(a), ", ", bn, " ", fused_mlp::shape_str(b),
+           " do not match ([T, H], [H, I], [T, I], [T, I])");
+  // a and b are written in place while other CTAs still read dy and w_down through TMA
+  const std::string ab = std::string(op) + ": " + an + " and " + bn;
+  fused_mlp::check_no_overlap(a, b, ab.c_str());
+  fused_mlp::check_no_overlap(a, dy, (std::string(op) + ": " + an + " and dy").c_str());
+  fused_mlp::check_no_overlap(b, dy, (std::string(op) + ": " + bn + " and dy").c_str());
+  fused_mlp::check_no_overlap(a, w_down, (std::string(op) + ": " + an + " and w_down").c_str());
+  fused_mlp::check_no_overlap(b, w_down, (std::string(op) + ": " + bn + " and w_down").c_str());
   check_sm90(dy);
   const int64_t T = dy.size(0), H = dy.size(1), I = w_down.size(1);
   FM_CHECK(H > 0 && T < (int64_t{1} << 30) && I < (int64_t{1} << 30) && H < (int64_t{1} << 30),
-           "fused_mlp: gated_gemm_bwd: H must be positive and every size below 2^30");
+           "fused_mlp: ", op, ": H must be positive and every size below 2^30");
   DeviceGuard guard(dy);
-  Tensor h = fused_mlp::empty({T, I}, dy.scalar_type(), dy);
+  Tensor h = fused_mlp::empty({slopes ? 0 : T, slopes ? 0 : I}, dy.scalar_type(), dy);
 #ifndef FUSED_MLP_NO_ARCH
   if (T > 0 && I > 0) {
     const int dev = device_index(dy);
-    const fm_sm90::EpiArgs epi{h.data_ptr(), gate.data_ptr(), up.data_ptr(), I, static_cast<int>(T),
-                               static_cast<int>(I), act};
+    const fm_sm90::EpiArgs epi{slopes ? nullptr : h.data_ptr(), a.data_ptr(), b.data_ptr(), I, static_cast<int>(T),
+                               static_cast<int>(I), act, slopes};
     dispatch_16bit(dy.scalar_type(), "dy", [&](auto tag) {
       using E = decltype(tag);
       with_schedule("bwd", [&](auto cfg) {
@@ -889,4 +943,31 @@ Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor&
   }
 #endif
   return h;
+}
+
+}  // namespace
+
+// h = act(x w_gate^T) * (x w_up^T); with save_preact also gate = x w_gate^T and up = x w_up^T.
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up,
+                                                       StrArg activation, bool save_preact) {
+  return gated_gemm_fwd_impl("gated_gemm_fwd", x, w_gate, w_up, activation, save_preact, false);
+}
+
+// h as above, and for the backward P = up * act'(gate), Q = act(gate) (each rounded once from fp32).
+std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_slopes_cuda(const Tensor& x, const Tensor& w_gate,
+                                                              const Tensor& w_up, StrArg activation) {
+  return gated_gemm_fwd_impl("gated_gemm_fwd_slopes", x, w_gate, w_up, activation, true, true);
+}
+
+// From dy [T, H], w_down [H, I] and the saved gate, up [T, I]: dh = dy w_down (fp32, not stored),
+// returns h = act(gate) * up and writes dgate over gate, dup over up.
+Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& gate, const Tensor& up,
+                           StrArg activation) {
+  const Act act = parse_activation(activation);
+  return gated_gemm_bwd_impl("gated_gemm_bwd", dy, w_down, gate, up, act, false);
+}
+
+// From dy, w_down and the saved P, Q [T, I] (gated_gemm_fwd_slopes): dgate = dh P over P, dup = dh Q over Q.
+void gated_gemm_bwd_slopes_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& p, const Tensor& q) {
+  gated_gemm_bwd_impl("gated_gemm_bwd_slopes", dy, w_down, p, q, Act::kGeluTanh, true);
 }

@@ -7,6 +7,12 @@ Two CUTLASS 3 kernels for sm_90 (Hopper), each replacing a cuBLAS GEMM plus one 
 - backward ``gated_gemm_bwd_``: ``dh = dy W_d`` in fp32 and dGeGLU on it in the epilogue (h, dgate, dup), instead
   of a cuBLAS GEMM and the in-place activation-backward kernel.
 
+Where both passes are fused in training (``use_slopes``: the table's ``train`` entry), the forward (``gated_gemm_fwd_slopes``) saves h, ``P = up
+act'(gate)`` and ``Q = act(gate)`` instead of gate and up, and the backward (``gated_gemm_bwd_slopes_``) computes
+``dgate = dh P``, ``dup = dh Q`` in its epilogue and writes no h: the activation's derivative is computed in the
+forward's epilogue, which runs behind a mainloop twice as long, instead of the backward's. One [T, I] tensor more is
+saved per MLP (h); the backward's largest live set is unchanged (h, P, Q against gate, up, h).
+
 Which one runs is decided per call from the table below (``DISPATCH``). The cuBLAS path is the default everywhere
 else: other GPUs, fp32, biased gate/up projections, sizes that are not multiples of 8, and the shapes where the
 benchmark (``benchmarks/epilogue.py``, H200) did not show the fused kernel winning. ``FUSED_MLP_GEMM_EPILOGUE``
@@ -33,8 +39,9 @@ ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)
 
 # Dispatch table: pass -> (minimum tokens T, minimum I, minimum H, maximum H): the shapes on which the fused kernel
-# is used in `auto` mode. Passes: "fwd" (inference forward: h only), "fwd_train" (training forward: h, gate, up),
-# "bwd". A pass with no entry keeps the cuBLAS path. Every entry names the measurement it rests on
+# is used in `auto` mode. Passes: "fwd" (inference forward: h only), "train" (both training passes fused, the slopes
+# form: use_slopes), and where "train" does not apply, "fwd_train" (training forward: h, gate, up) and "bwd" each on
+# its own. A pass with no entry keeps the cuBLAS path. Every entry names the measurement it rests on
 # (benchmarks/results/nvidia-h200/epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better;
 # tests/test_gated_gemm.py checks the table against that CSV).
 #
@@ -83,10 +90,22 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 #              1.04-1.10), at T=512-1024 0.94-0.97x for the weight gradients but 1.07-1.52x for dx; fwd+bwd 3.81 ms vs
 #              3.70 (cuBLAS); and dW_gate, dW_up as one GEMM on a [T, 2I] dgate|dup buffer: 793 us vs 2 x 388 (no gain):
 #              cuBLAS stays for all of them.
+#   train      (fwd+bwd with both passes fused: the slopes form, the forward saving h, P = up act'(gate), Q = act(gate)
+#              and the backward's epilogue dgate = dh P, dup = dh Q; build b53cf7c0b1) 0.900 1.001 0.973 0.951 | 1.014
+#              0.977 | 1.020 1.004; both passes fused in the gate/up form before (the three earlier CSVs): T=2048 0.986
+#              0.985 1.016, T=4096 0.960 0.955 0.961 | H=3072 T=4096 0.978 0.975 0.983 | H=4096 T=4096 1.008 1.004 1.016,
+#              so at H=3072 both passes fused beat the backward alone (0.995 0.998 0.990) in every run. T=4096 H=2048
+#              I=16384, one call (build c7830f9e71), 5 interleaved rounds, min-median: backward kernel alone 437-451 us
+#              against 478-483 us in the gate/up form; a hand-written step of each form with the same cuBLAS GEMMs:
+#              median 3722 us against 3804 us; benchmarks/epilogue.py --quick (7 rounds) in three runs: 3.741 3.754
+#              3.746 ms = 0.934 0.937 0.962x the cuBLAS path, 1.083 1.067 1.048x torch.compile (the gate/up form:
+#              0.953-0.971x and 1.027-1.063x). Peak 1.04 GB against 0.906 (h is kept). Used for T >= 4096, I >= 14336,
+#              2048 <= H <= 3072; T=2048 (0.973 now, 1.016 once before) and H=4096 keep the passes as above.
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
     "fwd": (512, 14336, 2048, 3072),
     "fwd_train": (4096, 14336, 2048, 2048),
     "bwd": (4096, 14336, 2048, 3072),
+    "train": (4096, 14336, 2048, 3072),
 }
 
 
@@ -163,6 +182,21 @@ def use_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: t
         return False
     # I: the [T, I] outputs' rows must be 16-byte multiples too
     return _known_true(i % 8 == 0) and _runnable((x, w_gate, w_up))
+
+
+def use_slopes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               b_gate: torch.Tensor | None, b_up: torch.Tensor | None) -> bool:
+    """Both training passes fused: the forward through ``gated_gemm_fwd_slopes`` (it saves h, P = up act'(gate),
+    Q = act(gate)) and so the backward through ``gated_gemm_bwd_slopes_``? Where the table's ``train`` entry (or mode
+    ``on``) wants it and the kernels can run: the backward's dy [T, H_out] is not known yet, but w_down [H_out, I]
+    and the forward's sizes are (gated_mlp's backward makes dy contiguous)."""
+    if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None:
+        return False
+    h, i, h_out = x.shape[-1], w_gate.shape[0], w_down.shape[0]
+    if not _wanted("train", x.shape[:-1].numel(), i, h):
+        return False
+    return (_known_true(i % 8 == 0) and _known_true(h_out % 8 == 0) and _known_true(w_down.shape[1] == i)
+            and _runnable((x, w_gate, w_up, w_down)))
 
 
 def use_bwd(dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:

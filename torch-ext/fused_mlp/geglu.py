@@ -7,11 +7,14 @@ output rounded once. Backward takes ``dh`` in fp32 or the output's dtype and rec
 ``gate`` (nothing but ``gate`` and ``up`` is saved).
 
 The MLP (``gated_mlp``) runs its three projections through cuBLAS (``F.linear``/``torch.mm``, bias in the GEMM)
-and the fused activation between them; on sm_90 the inference forward instead runs one dual-B GEMM with the
-activation in its epilogue where the measured dispatch table says it is faster (``_epilogue.py``). In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
+and the fused activation between them; on sm_90 the gate/up GEMMs and the activation (forward), and the dh GEMM and
+the activation's backward, instead run as GEMMs with the activation in their epilogue where the measured dispatch
+table says it is faster (``_epilogue.py``). In training it saves ``x``, ``gate`` and ``up`` only (not ``h``); its
 backward computes ``dh = dy @ W_down`` and then one in-place kernel that writes ``h`` into ``dh``'s buffer
 (for ``dW_down = dy^T h``), ``dgate`` into ``gate``'s and ``dup`` into ``up``'s: the largest live set in backward
-is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient.
+is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient. Where both passes run the epilogue GEMMs it saves ``x``,
+``h``, ``P = up act'(gate)`` and ``Q = act(gate)`` instead (one [T, I] more), and the backward GEMM's epilogue
+writes ``dgate = dh P`` over P and ``dup = dh Q`` over Q (the live set in backward is again 3 x [T, I]).
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ def _gated_gemm_fwd_fake(x, w_gate, w_up, activation, save_preact):
 @torch.library.register_fake(add_op_namespace_prefix("gated_gemm_bwd_"))
 def _gated_gemm_bwd_inplace_fake(dy, w_down, gate, up, activation):
     return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_gemm_fwd_slopes"))
+def _gated_gemm_fwd_slopes_fake(x, w_gate, w_up, activation):
+    t, i = x.shape[0], w_gate.shape[0]
+    return x.new_empty((t, i)), x.new_empty((t, i)), x.new_empty((t, i))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_gemm_bwd_slopes_"))
+def _gated_gemm_bwd_slopes_inplace_fake(dy, w_down, p, q):
+    return None
 
 
 # ---- autograd: the activation alone ------------------------------------------------------------------------
@@ -177,19 +191,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class _GatedMLPFunction(torch.autograd.Function):
-    """``down(act(x W_g^T + b_g) * (x W_u^T + b_u))`` on 2-D ``x`` ``[T, H]``; saves x, gate, up (not h)."""
+    """``down(act(x W_g^T + b_g) * (x W_u^T + b_u))`` on 2-D ``x`` ``[T, H]``. Saves x, gate, up (not h); or, where
+    both passes run the sm_90 gated-epilogue GEMMs (``_epilogue.use_slopes``), x, h, ``P = up act'(gate)`` and
+    ``Q = act(gate)``, so that the backward's epilogue is two multiplies per element and writes no h."""
 
     @staticmethod
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-        if _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up, training=True):  # one dual-B GEMM, act in its epilogue
+        h_saved = None
+        if _epilogue.use_slopes(x, w_gate, w_up, w_down, b_gate, b_up):
+            # one dual-B GEMM, act and act' in its epilogue: h, P, Q; h is kept for dW_down
+            h, gate, up = ops.gated_gemm_fwd_slopes(x, w_gate, w_up, activation)
+            h_saved = h
+        elif _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up, training=True):  # act in the dual-B GEMM's epilogue
             h, gate, up = ops.gated_gemm_fwd(x, w_gate, w_up, activation, True)
         else:
             gate = F.linear(x, w_gate, b_gate)
             up = F.linear(x, w_up, b_up)
             h = ops.geglu_fwd(gate, up, activation)
         y = F.linear(h, w_down, b_down)
-        # h is dropped here; backward rebuilds it (from gate, up) inside the buffer of dh.
-        ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
+        # Unless it is the slopes form, h is dropped here; backward rebuilds it (from gate, up) inside dh's buffer.
+        ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
         declare_grad_dtypes(ctx, None)
@@ -198,16 +219,24 @@ class _GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+        x, w_gate, w_up, w_down, gate, up, h = ctx.saved_tensors  # gate, up: P, Q when h was saved
         need = ctx.needs_input_grad
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
         if not torch.compiler.is_compiling() and _keep_graph():
-            # retain_graph=True: this backward may run again, so the saved gate/up must survive it; work on
+            # retain_graph=True: this backward may run again, so the saved gate/up (P/Q) must survive it; work on
             # copies (rare path). Under torch.compile the saved activations are donated to the backward graph
             # (AOTAutograd refuses retain_graph there), so the in-place form is always right.
             gate, up = gate.clone(), up.clone()
-        if _epilogue.use_bwd(dy, w_down, gate, up):
+        if h is not None:
+            # Slopes form: dh = dy @ W_down stays in the GEMM's fp32 accumulators; its epilogue writes dgate = dh P
+            # over P and dup = dh Q over Q. The forward chose this form only where this kernel runs (sm_90, 16-bit,
+            # sizes); dy's layout is the one thing the forward could not see, so it is made one the kernel takes
+            # (a [T, H] copy, 1/I of the GEMM's bytes, in the rare case that it is not already).
+            if not dy.is_contiguous() or (not torch.compiler.is_compiling() and dy.data_ptr() % 16):
+                dy = dy.clone(memory_format=torch.contiguous_format)
+            ops.gated_gemm_bwd_slopes_(dy, w_down, gate, up)
+        elif _epilogue.use_bwd(dy, w_down, gate, up):
             # dh = dy @ W_down stays in the GEMM's fp32 accumulators; its epilogue writes h and, over gate/up,
             # dgate/dup.
             h = ops.gated_gemm_bwd_(dy, w_down, gate, up, ctx.activation)
