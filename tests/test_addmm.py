@@ -456,15 +456,17 @@ def test_direct_op_calls_check_arguments(fm, device):
     ops = fm._ops.ops
     x, w_kn, b = _make((8, 32, 16), torch.float32, device)
     with pytest.raises(RuntimeError, match="inner dims differ"):
-        ops.addmm_fwd(b, x, torch.randn(31, 16, device=device), 0, False, [8, 16])
+        ops.addmm_fwd(b, x, torch.randn(31, 16, device=device), "none", False, [8, 16])
     with pytest.raises(RuntimeError, match="bias must be"):
-        ops.addmm_fwd(b[:15], x, w_kn, 0, False, [8, 16])
-    with pytest.raises(RuntimeError, match="activation code"):
-        ops.addmm_fwd(b, x, w_kn, 7, False, [8, 16])
+        ops.addmm_fwd(b[:15], x, w_kn, "none", False, [8, 16])
+    for bad in ("silu", "relu", ""):  # silu is a gated activation only
+        with pytest.raises(RuntimeError, match="activation must be 'none', 'gelu_tanh' or 'gelu'"):
+            ops.addmm_fwd(b, x, w_kn, bad, False, [8, 16])
     with pytest.raises(RuntimeError, match="out_shape"):
-        ops.addmm_fwd(b, x, w_kn, 0, False, [8, 15])
+        ops.addmm_fwd(b, x, w_kn, "none", False, [8, 15])
     with pytest.raises(RuntimeError, match="pre-activation"):
-        ops.addmm_bwd(torch.randn(8, 16, device=device), None, x, w_kn, 1, True, True, False, True, torch.float32)
+        ops.addmm_bwd(torch.randn(8, 16, device=device), None, x, w_kn, "gelu_tanh", True, True, False, True,
+                      torch.float32)
 
 
 @requires_cuda
@@ -488,17 +490,18 @@ def test_opcheck(fm, device):
     b32 = b.float()
     dy = torch.randn(9, 16, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=torch.bfloat16)
     fwd_cases = [
-        (b, x, w_kn, 0, False, [9, 16]), (b, x, w_kn, 1, True, [3, 3, 16]), (b, x, w_row, 2, True, [9, 16]),
-        (None, x, w_row, 1, False, [9, 1, 16]), (b32, x, w_kn, 2, True, [9, 16]), (b, x[:0], w_kn, 1, True, [0, 16]),
+        (b, x, w_kn, "none", False, [9, 16]), (b, x, w_kn, "gelu_tanh", True, [3, 3, 16]),
+        (b, x, w_row, "gelu", True, [9, 16]), (None, x, w_row, "gelu_tanh", False, [9, 1, 16]),
+        (b32, x, w_kn, "gelu", True, [9, 16]), (b, x[:0], w_kn, "gelu_tanh", True, [0, 16]),
     ]
     for args in fwd_cases:
         torch.library.opcheck(ops.addmm_fwd.default, args)
-    _, z = ops.addmm_fwd(b, x, w_kn, 1, True, [9, 16])
+    _, z = ops.addmm_fwd(b, x, w_kn, "gelu_tanh", True, [9, 16])
     bwd_cases = [
-        (dy, None, x, w_kn, 0, True, True, True, True, torch.bfloat16),
-        (dy.float(), z, x, w_kn, 1, True, True, True, True, torch.float32),
-        (dy, z, x, w_row, 2, False, True, False, True, torch.bfloat16),
-        (dy, None, x, w_row, 0, True, False, False, False, torch.bfloat16),
+        (dy, None, x, w_kn, "none", True, True, True, True, torch.bfloat16),
+        (dy.float(), z, x, w_kn, "gelu_tanh", True, True, True, True, torch.float32),
+        (dy, z, x, w_row, "gelu", False, True, False, True, torch.bfloat16),
+        (dy, None, x, w_row, "none", True, False, False, False, torch.bfloat16),
     ]
     for args in bwd_cases:
         torch.library.opcheck(ops.addmm_bwd.default, args)

@@ -221,10 +221,10 @@ def test_opcheck(fm):
 
 
 def spy_ops(fm, monkeypatch) -> list[str]:
-    """Record the ops the MLP (geglu.py) calls, by name, in order."""
+    """Record the ops the MLP (gated_mlp.py) calls, by name, in order."""
     import sys
 
-    mod = sys.modules[fm._epilogue.__name__.rsplit(".", 1)[0] + ".geglu"]
+    mod = sys.modules[fm._epilogue.__name__.rsplit(".", 1)[0] + ".gated_mlp"]
     real, called = mod.ops, []
 
     class Recorder:

@@ -26,10 +26,10 @@
       "ScalarType dx_dtype, bool compute_dw) -> (Tensor, Tensor)");                                              \
   /* addmm / linear. out_shape: the caller's [..., N] (SymInt[]: torch.compile keeps token counts symbolic) */    \
   ops.def(                                                                                                       \
-      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, int activation, bool save_preact, SymInt[] out_shape) " \
+      "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, str activation, bool save_preact, SymInt[] out_shape) " \
       "-> (Tensor, Tensor)");                                                                                    \
   ops.def(                                                                                                       \
-      "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, int activation, bool need_dx, "           \
+      "addmm_bwd(Tensor dy, Tensor? preact, Tensor mat1, Tensor mat2, str activation, bool need_dx, "           \
       "bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype) -> (Tensor, Tensor, Tensor)");       \
   /* Gated activations. activation: "gelu_tanh" | "gelu" | "silu". geglu_bwd_ mutates all three arguments      \
      (h into dh, dgate into gate, dup into up); the alias annotations let torch.compile functionalize it. */    \

@@ -44,17 +44,17 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
 // ---- addmm / linear ------------------------------------------------------------------------------------------
 // fwd: y = act(mat1 @ mat2 + bias), bias and activation applied to the fp32 accumulator, rounded once.
 // mat1 [M, K], mat2 [K, N] (row- or column-major, used in place), bias [N] (mat dtype or fp32) or none;
-// activation: 0 none, 1 gelu_tanh, 2 gelu (erf). returns (y allocated as out_shape = [..., N] with M*N elements (the
-// caller's final shape, so autograd never sees a view of the op's output), preact Z = mat1 @ mat2 + bias [M, N] in
-// the mat dtype when save_preact and activation != 0, else [0]).
+// activation: "none" | "gelu_tanh" | "gelu" (erf) (kernels_src/activation.h). returns (y allocated as out_shape =
+// [..., N] with M*N elements (the caller's final shape, so autograd never sees a view of the op's output), preact
+// Z = mat1 @ mat2 + bias [M, N] in the mat dtype when save_preact and activation != "none", else [0]).
 std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, const Tensor& mat1,
-                                                 const Tensor& mat2, int64_t activation, bool save_preact,
+                                                 const Tensor& mat2, StrArg activation, bool save_preact,
                                                  ShapeArg out_shape);
 // bwd: dZ = dy * act'(Z); dx = dZ @ mat2^T [M, K]; dw = mat1^T @ dZ as [K, N], or as [N, K] when dw_transposed;
 // db = sum over rows of dZ (fp32 sums) in db_dtype. Unrequested outputs are [0]. dy: mat dtype or fp32.
 std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cpu(
     const Tensor& dy, const std::optional<Tensor>& preact, const Tensor& mat1, const Tensor& mat2,
-    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
+    StrArg activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
 // Test hook: 0 normal, 1 = treat cuBLASLt's fused epilogues as unavailable, 2 = treat cuBLASLt as unavailable.
 // Returns the previous mode and re-arms the warn-once messages. No effect on CPU tensors.
 int64_t addmm_lt_force_fallback(int64_t mode);
@@ -64,11 +64,11 @@ bool addmm_lt_first_warning(int which);  // true the first time per slot (0: fus
 
 #if defined(CUDA_KERNEL)
 std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias, const Tensor& mat1,
-                                                  const Tensor& mat2, int64_t activation, bool save_preact,
+                                                  const Tensor& mat2, StrArg activation, bool save_preact,
                                                   ShapeArg out_shape);
 std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
     const Tensor& dy, const std::optional<Tensor>& preact, const Tensor& mat1, const Tensor& mat2,
-    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
+    StrArg activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype);
 #endif
 
 // ---- Gated activations (GeGLU / SwiGLU) ------------------------------------------------------------------

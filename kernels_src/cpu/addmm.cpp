@@ -1,7 +1,7 @@
 // addmm / linear on the CPU: y = act(mat1 @ mat2 + bias), rounded once to the output dtype.
 // mat1: [M, K]; mat2: [K, N] (any strides: nn.Linear's weight.t() and Conv1D's [in, out] weight both work
 // without copies in fp32); bias: [N] (mat dtype or fp32); y, preact: [M, N] mat dtype.
-// activation: 0 none, 1 "gelu_tanh" (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))), 2 "gelu" (0.5x(1+erf(x/sqrt2))).
+// activation: "none", "gelu_tanh" (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))), "gelu" (0.5x(1+erf(x/sqrt2))).
 //
 // Numerics: the product goes through ATen's fp32 BLAS (mm on fp32 operands; bf16/fp16 inputs are widened
 // first, which is exact), so the accumulator is fp32 exactly as on the GPU; the bias and the activation are then
@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "activation.h"  // Act: the epilogue activation codes (shared with the CUDA backend)
 #include "cpu/cpu_common.h"
 #include "torch_binding.h"
 
@@ -81,9 +82,7 @@ inline float round_to_odd_f32(double d) {
   return f;
 }
 
-void check_addmm_args(const std::optional<Tensor>& bias, const Tensor& mat1, const Tensor& mat2,
-                      int64_t activation) {
-  FM_CHECK(activation >= 0 && activation <= 2, "fused_mlp: activation code must be 0, 1 or 2, got ", activation);
+void check_addmm_args(const std::optional<Tensor>& bias, const Tensor& mat1, const Tensor& mat2) {
   FM_CHECK(mat1.dim() == 2 && mat2.dim() == 2, "fused_mlp: addmm takes 2-D mat1 [M, K] and mat2 [K, N], got ",
               mat1.dim(), "-D and ", mat2.dim(), "-D");
   FM_CHECK(is_float_type(mat1.scalar_type()), "fused_mlp: mat1 must be float32/float16/bfloat16, got ",
@@ -137,13 +136,14 @@ using namespace fused_mlp::cpu;
 namespace fm = fused_mlp;
 
 std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, const Tensor& mat1,
-                                                 const Tensor& mat2, int64_t activation, bool save_preact,
+                                                 const Tensor& mat2, StrArg activation, bool save_preact,
                                                  ShapeArg out_shape) {
   // (fm::mm is never re-cast by an enclosing torch.autocast: the Python API already cast.)
-  check_addmm_args(bias, mat1, mat2, activation);
+  const int act = static_cast<int>(fm::parse_epilogue_activation(activation));
+  check_addmm_args(bias, mat1, mat2);
   const int64_t M = mat1.size(0), K = mat1.size(1), N = mat2.size(1);
   const ScalarType T = mat1.scalar_type();
-  const bool want_z = save_preact && activation != 0;
+  const bool want_z = save_preact && act != 0;
   auto y_out = fm::empty(check_out_shape(out_shape, M, N), T, mat1);
   const Tensor y = fm::view(y_out, {M, N});
   auto z = want_z ? fm::empty({M, N}, T, mat1) : fm::empty({0}, T, mat1);
@@ -153,7 +153,6 @@ std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, cons
   Tensor acc = K == 0 ? fm::zeros({M, N}, kFloat, mat1) : fm::mm(fm::to_dtype(mat1, kFloat), fm::to_dtype(mat2, kFloat));
   const std::vector<float> b = bias_row(bias, N);
   const float* acc_p = static_cast<const float*>(acc.const_data_ptr());
-  const int act = static_cast<int>(activation);
   const int64_t grain = std::max<int64_t>(1, 16384 / N);
   fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(N);
@@ -175,8 +174,9 @@ std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, cons
 
 std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cpu(
     const Tensor& dy, const std::optional<Tensor>& preact, const Tensor& mat1, const Tensor& mat2,
-    int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype) {
-  check_addmm_args(std::nullopt, mat1, mat2, activation);
+    StrArg activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db, ScalarType db_dtype) {
+  const int act = static_cast<int>(fm::parse_epilogue_activation(activation));
+  check_addmm_args(std::nullopt, mat1, mat2);
   const int64_t M = mat1.size(0), N = mat2.size(1);
   const ScalarType T = mat1.scalar_type();
   FM_CHECK(dy.dim() == 2 && dy.size(0) == M && dy.size(1) == N, "fused_mlp: dy must be [", M, ", ", N,
@@ -184,7 +184,6 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cpu(
   FM_CHECK(dy.scalar_type() == T || dy.scalar_type() == kFloat, "fused_mlp: dy dtype must be float32 or ",
               T, ", got ", dy.scalar_type());
   FM_CHECK(is_float_type(db_dtype), "fused_mlp: db_dtype must be a float dtype");
-  const int act = static_cast<int>(activation);
   if (act != 0)
     FM_CHECK(preact.has_value() && preact->dim() == 2 && preact->size(0) == M && preact->size(1) == N &&
                     preact->scalar_type() == T,

@@ -24,7 +24,7 @@
 #include <type_traits>
 
 #include "cpu/cpu_common.h"
-#include "gated_activation.h"  // Act, parse_activation, dispatch_act (shared with the CUDA backend)
+#include "activation.h"  // Act, parse_activation, dispatch_act (shared with the CUDA backend)
 #include "torch_binding.h"
 
 namespace fused_mlp::cpu {

@@ -80,6 +80,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "activation.h"  // Act: the epilogue activation codes (shared with the CPU backend)
 #include "cuda/common.cuh"
 #include "torch_binding.h"
 
@@ -94,7 +95,8 @@ namespace {
 // Device math (the same formulas as PyTorch's gelu / gelu_backward, in fp32)
 // ---------------------------------------------------------------------------------------------------------------
 
-constexpr int kActNone = 0, kActGeluTanh = 1, kActGeluErf = 2;
+constexpr int kActNone = static_cast<int>(Act::kNone), kActGeluTanh = static_cast<int>(Act::kGeluTanh),
+              kActGeluErf = static_cast<int>(Act::kGeluErf);
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kKappa = 0.044715f;
 constexpr float kSqrtHalf = 0.7071067811865476f;
@@ -660,9 +662,7 @@ void launch_bias_act(const float* acc, const Tensor* bias, const Tensor& y, cons
   });
 }
 
-void check_cuda_args(const std::optional<Tensor>& bias, const Tensor& mat1, const Tensor& mat2,
-                     int64_t activation) {
-  FM_CHECK(activation >= 0 && activation <= 2, "fused_mlp: activation code must be 0, 1 or 2, got ", activation);
+void check_cuda_args(const std::optional<Tensor>& bias, const Tensor& mat1, const Tensor& mat2) {
   FM_CHECK(mat1.dim() == 2 && mat2.dim() == 2, "fused_mlp: addmm takes 2-D mat1 [M, K] and mat2 [K, N], got ",
               mat1.dim(), "-D and ", mat2.dim(), "-D");
   FM_CHECK(mat1.is_cuda() && fused_mlp::same_device(mat2, mat1), "fused_mlp: mat1 and mat2 must be on one CUDA device");
@@ -687,14 +687,14 @@ void check_cuda_args(const std::optional<Tensor>& bias, const Tensor& mat1, cons
 using namespace fused_mlp::cuda;
 
 std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, const Tensor& mat1_in,
-                                                  const Tensor& mat2_in, int64_t activation, bool save_preact,
+                                                  const Tensor& mat2_in, StrArg activation, bool save_preact,
                                                   ShapeArg out_shape) {
   // (fused_mlp::mm_out is never re-cast by an enclosing torch.autocast: the Python API already cast.)
-  check_cuda_args(bias_in, mat1_in, mat2_in, activation);
+  const int act = static_cast<int>(fused_mlp::parse_epilogue_activation(activation));
+  check_cuda_args(bias_in, mat1_in, mat2_in);
   const DeviceGuard guard(mat1_in);
   const int64_t M = mat1_in.size(0), K = mat1_in.size(1), N = mat2_in.size(1);
   const ScalarType T = mat1_in.scalar_type();
-  const int act = static_cast<int>(activation);
   const bool want_z = save_preact && act != kActNone;
   auto y_out = fused_mlp::empty(check_out_shape(out_shape, M, N), T, mat1_in);  // the caller's [..., N]
   const Tensor y = fused_mlp::view(y_out, {M, N});
@@ -782,13 +782,13 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
 
 std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
     const Tensor& dy_in, const std::optional<Tensor>& preact, const Tensor& mat1_in,
-    const Tensor& mat2_in, int64_t activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db,
+    const Tensor& mat2_in, StrArg activation, bool need_dx, bool need_dw, bool dw_transposed, bool need_db,
     ScalarType db_dtype) {
-  check_cuda_args(std::nullopt, mat1_in, mat2_in, activation);
+  const int act = static_cast<int>(fused_mlp::parse_epilogue_activation(activation));
+  check_cuda_args(std::nullopt, mat1_in, mat2_in);
   const DeviceGuard guard(mat1_in);
   const int64_t M = mat1_in.size(0), K = mat1_in.size(1), N = mat2_in.size(1);
   const ScalarType T = mat1_in.scalar_type();
-  const int act = static_cast<int>(activation);
   FM_CHECK(dy_in.is_cuda() && fused_mlp::same_device(dy_in, mat1_in) && dy_in.dim() == 2 && dy_in.size(0) == M &&
                dy_in.size(1) == N,
            "fused_mlp: dy must be [", M, ", ", N, "] on mat1's device, got ", fused_mlp::shape_str(dy_in));

@@ -6,7 +6,7 @@
 
 #include <type_traits>
 
-#include "gated_activation.h"  // Act, parse_activation, dispatch_act (shared with the CPU backend)
+#include "activation.h"  // Act, parse_activation, dispatch_act (shared with the CPU backend)
 
 namespace fused_mlp::cuda {
 

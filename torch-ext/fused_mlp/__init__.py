@@ -13,7 +13,8 @@ Functional API (any leading dims; float32/float16/bfloat16; CPU and CUDA; differ
 
 from . import layers
 from .addmm import addmm, addmm_reference, linear, linear_reference
-from .geglu import gated_mlp, gated_mlp_reference, geglu, geglu_reference, swiglu, swiglu_reference
+from .gated_mlp import gated_mlp, gated_mlp_reference
+from .geglu import geglu, geglu_reference, swiglu, swiglu_reference
 from .rms_norm import rms_norm, rms_norm_reference
 
 __all__ = [

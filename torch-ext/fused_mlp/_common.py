@@ -40,12 +40,18 @@ def check_finite(value: Any, name: str, *, nonnegative: bool = False) -> float:
     return value
 
 
+# ---- activations: one spelling for every op (kernels_src/activation.h parses the same strings) -----------------
+GATED_ACTIVATIONS = ("gelu_tanh", "gelu", "silu")  # act(gate) * up: geglu, swiglu, gated_mlp
+EPILOGUE_ACTIVATIONS = ("none", "gelu_tanh", "gelu")  # act(bias + mat1 @ mat2): addmm, linear (None means "none")
+GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}  # F.gelu's `approximate` -> the activation's name
+
+
 def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[..., n] -> [rows, n] with unit stride along n, as a view where the strides allow it (row stride free)."""
-    t2 = t.reshape(-1, n)
-    if n > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2
+    """[..., n] -> [rows, n] with unit stride along n (any row stride), a view where the strides allow it. The row
+    count is spelled out so that n == 0 works too (reshape(-1, 0) is ambiguous); 2-D input is taken as it is."""
+    if t.dim() != 2:
+        t = t.reshape(math.prod(t.shape[:-1]), n)
+    return t if (n <= 1 or t.stride(1) == 1) else t.contiguous()
 
 
 def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None) -> None:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._common import EPILOGUE_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["addmm", "linear", "addmm_reference", "linear_reference"]
 
-_ACTIVATIONS = {None: 0, "gelu_tanh": 1, "gelu": 2}
+# The public `activation` (None for no activation) -> the op's name for it.
+_OP_ACTIVATION = {None: "none", **{a: a for a in EPILOGUE_ACTIVATIONS if a != "none"}}
 
 
 # ---- custom ops: fake implementations for torch.compile --------------------------------------------------
@@ -41,7 +42,7 @@ def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact, out_shape):
     m = mat1.shape[0]
     n = mat2.shape[1]
     y = mat1.new_empty(out_shape)
-    z = mat1.new_empty((m, n)) if (save_preact and activation != 0) else mat1.new_empty((0,))
+    z = mat1.new_empty((m, n)) if (save_preact and activation != "none") else mat1.new_empty((0,))
     return y, z
 
 
@@ -88,7 +89,7 @@ class _AddmmFunction(torch.autograd.Function):
             ctx.bias_shape = bias.shape
             bias = _bias_as_row(bias, mat2.shape[1])
         y, z = ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
-        ctx.save_for_backward(mat1, mat2, z if activation != 0 else None)
+        ctx.save_for_backward(mat1, mat2, z if activation != "none" else None)
         ctx.mark_non_differentiable(z)
         ctx.activation = activation
         ctx.dw_transposed = dw_transposed
@@ -121,10 +122,12 @@ class _AddmmFunction(torch.autograd.Function):
 # ---- argument handling ------------------------------------------------------------------------------------
 
 
-def _activation_code(activation: str | None) -> int:
-    if activation not in _ACTIVATIONS:
+def _op_activation(activation: str | None) -> str:
+    """The op's spelling of the public `activation`, or ValueError."""
+    op_name = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
+    if op_name is None:
         raise ValueError(f"activation must be None, 'gelu_tanh' or 'gelu', got {activation!r}")
-    return _ACTIVATIONS[activation]
+    return op_name
 
 
 def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -156,9 +159,7 @@ def _addmm_impl(
     Every check runs before anything is launched; the common case (plain float tensors on one device) takes the
     cheap tests first and builds the error text only on failure: decode calls this per Linear per token."""
     bias_name, x_name, w_name = names
-    act = _ACTIVATIONS.get(activation, -1) if activation is None or type(activation) is str else -1
-    if act < 0:
-        _activation_code(activation)  # raises the ValueError
+    act = _op_activation(activation)
     if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES):
         check_tensor(x, x_name)
     if not (isinstance(w_kn, torch.Tensor) and w_kn.dtype in _FLOAT_DTYPES):
@@ -213,7 +214,7 @@ def _addmm_impl(
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
         return ops.addmm_fwd(bias, x2, w2, act, False, out_shape)[0]
-    y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != 0, dw_transposed, out_shape)
+    y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)
     return y
 
 
@@ -282,7 +283,7 @@ def addmm_reference(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch definition: everything in ``compute_dtype`` (fp32; fp64 for error studies), rounded once."""
-    _activation_code(activation)
+    _op_activation(activation)
     z = mat1.to(compute_dtype) @ mat2.to(compute_dtype)
     if bias is not None:
         z = z + bias.to(compute_dtype)

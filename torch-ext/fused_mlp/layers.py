@@ -6,10 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import autocast_dtype, dtensor_type, is_plain, warn_once
+from ._common import GELU_APPROXIMATE, autocast_dtype, dtensor_type, is_plain, warn_once
+from .addmm import addmm as _addmm
+from .addmm import linear as _linear
+from .gated_mlp import _gated_mlp
 from .rms_norm import rms_norm
 
-__all__ = ["RMSNorm", "GemmaRMSNorm"]
+__all__ = ["RMSNorm", "GemmaRMSNorm", "GeGLUMLP", "Linear", "Conv1D"]
 
 
 def _module_forward(module: nn.Module, x: torch.Tensor, why: str) -> torch.Tensor:
@@ -75,9 +78,6 @@ class GemmaRMSNorm(nn.Module):
 
 
 # ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------
-from .geglu import _GELU_APPROXIMATE, _gated_mlp  # noqa: E402
-
-__all__ += ["GeGLUMLP"]
 
 # Activation modules recognised by (module, class name), exact type only (a subclass may override forward).
 # Checked against transformers 5.22.2's ACT2FN: "gelu_pytorch_tanh" -> GELUTanh (PytorchGELUTanh is its alias),
@@ -103,7 +103,7 @@ def _activation_kind(act) -> str | None:
     kind = _ACTIVATION_BY_CLASS.get((t.__module__, t.__qualname__))
     if kind == "approx":
         approximate = getattr(act, "approximate", "none")
-        return _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+        return GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
     if kind is None:
         if act is torch.nn.functional.silu:
             return "silu"
@@ -174,11 +174,6 @@ class GeGLUMLP(nn.Module):
 
 
 # ---- addmm / linear layers ------------------------------------------------------------------------------------
-
-from .addmm import addmm as _addmm  # noqa: E402
-from .addmm import linear as _linear  # noqa: E402
-
-__all__ += ["Linear", "Conv1D"]
 
 
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ._common import (
+    as_rows,
     check_device,
     check_dtype_arg,
     check_finite,
@@ -56,18 +57,11 @@ _bwd = ops.rms_norm_bwd.default
 # ---- autograd ---------------------------------------------------------------------------------------------
 
 
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[..., n] -> [rows, n] with unit stride along n (any row stride), a view where the strides allow."""
-    if t.dim() != 2:
-        t = t.reshape(-1, n) if n > 0 else t.reshape(math.prod(t.shape[:-1]), 0)
-    return t if (n <= 1 or t.stride(1) == 1) else t.contiguous()
-
-
 def _grad_in(g: torch.Tensor, n: int, base: torch.dtype) -> torch.Tensor:
     """An incoming gradient as kernel rows: [rows, n], unit stride, fp32 or the base dtype (kept uncast)."""
     if g.dtype != base and g.dtype != torch.float32:
         g = g.float()
-    return _as_rows(g, n)  # grads may be expanded (stride 0) views
+    return as_rows(g, n)  # grads may be expanded (stride 0) views
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -97,7 +91,7 @@ class _RMSNormFunction(torch.autograd.Function):
         h, rstd, weight = ctx.saved_tensors
         shape = h.shape  # the caller's [..., N] (eager, contiguous inputs) or 2-D rows
         n = shape[-1]
-        h = _as_rows(h, n)  # a view: h is contiguous when it is not 2-D already
+        h = as_rows(h, n)  # a view: h is contiguous when it is not 2-D already
         base = ctx.x_dtype
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if dy is None:  # only h was used downstream
@@ -204,9 +198,9 @@ def rms_norm(
         else:
             # 2-D inputs (any row stride: the kernels read it in place; y already has x's shape) and torch.compile
             # (stable ranks; AOTAutograd traces the backward as one graph anyway): 2-D rows into the Function.
-            x2 = _as_rows(x, n)
+            x2 = as_rows(x, n)
             if res2 is not None:
-                res2 = _as_rows(res2, n)
+                res2 = as_rows(res2, n)
             y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
             if x.dim() != 2:
                 y = y.view(x.shape)
@@ -220,7 +214,7 @@ def rms_norm(
         ):
             y, h, _ = _fwd(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
         else:
-            y, h, _ = _fwd(_as_rows(x, n), None if res2 is None else _as_rows(res2, n), weight, eps, offset,
+            y, h, _ = _fwd(as_rows(x, n), None if res2 is None else as_rows(res2, n), weight, eps, offset,
                            kernel_out_dtype, h_dtype)
             if x.dim() != 2:
                 y = y.view(x.shape)
