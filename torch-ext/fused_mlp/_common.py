@@ -77,6 +77,57 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+# ---- torch.compile: our kernel, or a decomposition Inductor can fuse ---------------------------------------------
+# Under torch.compile an op either calls its kernel (opaque to Inductor) or traces its plain fp32 definition, which
+# keeps the numerics contract (fp32 math, one rounding) and which Inductor fuses with its neighbours (the decoder
+# layer's residual add into the norm, casts, the activation between GEMMs). Per op, the smallest token count at which
+# the kernel is measured faster than Inductor's code in a compiled model (None: never); docs/tuning-log.md
+# #compile-policy has the measurements. Only sizes known when the graph is traced decide (a static-shape graph, e.g.
+# transformers' static-cache decode): a symbolic token count never adds a guard (no recompiles when it changes) and
+# takes the decomposition, which is what the user's compiled model runs without this package.
+KERNEL_UNDER_COMPILE: dict[str, int | None] = {
+    "rms_norm": None,  # decomposition at every size: docs/tuning-log.md#compile-policy
+    "gated_act": None,  # decomposition at every size: docs/tuning-log.md#compile-policy
+}
+COMPILE_ENV = "FUSED_MLP_UNDER_COMPILE"
+COMPILE_MODES = ("auto", "kernel", "decompose")  # kernel / decompose: force one side (tests, benchmarks)
+
+try:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as _statically_true
+except ImportError:  # pragma: no cover - older torch
+    def _statically_true(cond) -> bool:
+        return bool(cond) if not isinstance(cond, torch.SymBool) else False
+
+
+@torch.compiler.assume_constant_result
+def compile_mode() -> str:
+    """FUSED_MLP_UNDER_COMPILE (read when a graph is traced): "auto" (the table above), "kernel", "decompose"."""
+    import os
+
+    m = os.environ.get(COMPILE_ENV, "auto").strip().lower() or "auto"
+    if m not in COMPILE_MODES:
+        raise ValueError(f"{COMPILE_ENV} must be one of {COMPILE_MODES}, got {m!r}")
+    return m
+
+
+def decompose_under_compile(op: str, x: torch.Tensor) -> bool:
+    """True when torch.compile is tracing and `op` should trace its fp32 decomposition instead of its kernel for a
+    call on x ``[..., N]`` (its token rows may be symbolic; deciding never adds a guard). Eager calls: False, at the
+    cost of one query (decode calls this per layer per token)."""
+    if not torch.compiler.is_compiling():
+        return False
+    mode = compile_mode()
+    if mode != "auto":
+        return mode == "decompose"
+    min_rows = KERNEL_UNDER_COMPILE[op]
+    return min_rows is None or not _statically_true(math.prod(x.shape[:-1]) >= min_rows)
+
+
+def statically_true(cond) -> bool:
+    """`cond` provably true at trace time, without adding a guard (plain bools pass through)."""
+    return _statically_true(cond)
+
+
 _WARNED: set[str] = set()
 
 

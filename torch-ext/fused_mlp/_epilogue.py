@@ -30,11 +30,7 @@ import torch
 
 from ._ops import ops
 
-try:  # decide a size test without adding a data-dependent guard (unbacked sizes under torch.compile: False)
-    from torch.fx.experimental.symbolic_shapes import guard_or_false as _known_true
-except ImportError:  # pragma: no cover - older torch
-    def _known_true(cond) -> bool:
-        return bool(cond) if not isinstance(cond, torch.SymBool) else False
+from ._common import statically_true as _known_true  # sizes decide without adding a guard (symbolic: False)
 
 ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)

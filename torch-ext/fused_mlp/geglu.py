@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import GELU_APPROXIMATE, as_rows, check_device, check_tensor, declare_grad_dtypes
+from ._common import GELU_APPROXIMATE, as_rows, check_device, check_tensor, declare_grad_dtypes, decompose_under_compile
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["geglu", "swiglu", "geglu_reference", "swiglu_reference"]
@@ -101,6 +101,9 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` on checked arguments (``gated_mlp`` calls it on its own projections)."""
+    if decompose_under_compile("gated_act", gate):
+        # Under torch.compile: the fp32 definition, for Inductor to fuse with the ops around it (_common.py).
+        return gated_act_reference(gate, up, activation)
     n = gate.shape[-1]
     training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     # Eager, contiguous inputs of any rank: the op allocates h in the caller's shape (no view after the autograd

@@ -20,6 +20,7 @@ from ._common import (
     check_finite,
     check_tensor,
     declare_grad_dtypes,
+    decompose_under_compile,
 )
 from ._ops import add_op_namespace_prefix, ops
 
@@ -180,6 +181,11 @@ def rms_norm(
         if h_dtype != x.dtype and h_dtype != torch.float32:
             raise ValueError(f"residual_dtype must be x's dtype ({x.dtype}) or torch.float32, got {h_dtype}")
         res2 = residual if residual.dtype == h_dtype else residual.to(h_dtype)
+
+    if decompose_under_compile("rms_norm", x):
+        # Under torch.compile: the fp32 definition, for Inductor to fuse with the ops around it (_common.py).
+        return rms_norm_reference(x, weight, eps, offset=offset, residual=res2, residual_dtype=h_dtype,
+                                  out_dtype=out_dtype)
 
     if torch.is_grad_enabled() and (
         x.requires_grad
