@@ -192,3 +192,7 @@ def test_readme_op_map_names_every_public_op():
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(cells[i] for i in (1, 4, 5, 6)), f"an op row needs its Python file, tests, benchmark and log: {row}"
+        # the Python files linked for an op define its reference (so a split or moved op is noticed)
+        code = "".join((ROOT / t).read_text() for t in re.findall(r"\]\(([^)#]+\.py)\)", cells[1]))
+        for op in re.findall(r"`(\w+)`", cells[0]):
+            assert f"def {op}_reference(" in code, f"README 'Find an op': {op}_reference is not in {cells[1]}"
