@@ -10,7 +10,7 @@
 Writes ``<results-root>/<device-slug>/sweep.csv`` (long format, see ``bench_lib.COLUMNS``), rewritten after every
 shape; rows of ops not measured in this run are kept, so one op can be rerun alone. When ``$OUT`` is set (the GPU
 machine), every checkpoint is also copied to ``$OUT/<device-slug>/sweep.csv``. Then ``plot.py`` draws it and
-``report.py`` turns it into README tables with every target of ``targets.md`` marked met / not met.
+``report.py`` turns it into the results page with every target of ``docs/targets.md`` marked met / not met.
 
 Definitions (as the anchors in benchmarks/anchors/ were measured, see anchor_bench.py there):
 * ``fwd`` is the forward with autograd recording (the inputs and weights require grad, as in training), except

@@ -7,7 +7,7 @@ On the H200 machine (driver of 2026-11, CUDA 13.0, torch 2.11) racecheck ends in
 Sanitizer failed to handle a hardware exception" at the first case (F.linear, bf16, m=1 k=64 n=64, bias), and, started
 at shape index 1, at m=64 k=256 n=512 bf16 with bias -- exactly where the fused-mlp addmm / addmm_no_lt sections
 stopped. tools/sanitize.sh runs this first and reports the addmm racecheck sections as a tool limitation when it
-fails the same way (see tools/SANITIZER.md). Prints a `case:` line before every case, like sanitize_cases.py.
+fails the same way (docs/releasing.md). Prints a `case:` line before every case, like sanitize_cases.py.
 """
 
 from __future__ import annotations

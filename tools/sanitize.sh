@@ -4,7 +4,7 @@
 #   tools/sanitize_rms_norm.py every rms_norm kernel branch (rows/wide, prefetch, smem dW, misaligned)
 # Tools: memcheck, racecheck, initcheck, synccheck (SANITIZE_TOOLS narrows). PyTorch's caching allocator is off so
 # out-of-bounds accesses land outside a real allocation; only our kernels (namespace fused_mlp) are checked unless
-# SANITIZE_KERNEL_FILTER says otherwise. Notes on the one racecheck failure seen so far: tools/SANITIZER.md.
+# SANITIZE_KERNEL_FILTER says otherwise. Racecheck notes: docs/releasing.md.
 # Prints one summary line per (tool, driver); exit status non-zero on any error or mismatch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ tools="${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
 # A driver entry may name sections of sanitize_cases.py after a colon ("tools/sanitize_cases.py:addmm,gated").
 # racecheck runs sanitize_cases.py one section at a time (addmm_no_lt included: cuBLASLt off), so that a tool
 # failure there (seen once on the H200: "Internal Sanitizer Error: failed to handle a hardware exception") is pinned
-# to a section; see tools/SANITIZER.md.
+# to a section; see docs/releasing.md#compute-sanitizer.
 drivers="${SANITIZE_DRIVERS:-tools/sanitize_cases.py tools/sanitize_rms_norm.py tools/sanitize_gated_gemm.py}"
 racecheck_drivers="${SANITIZE_RACECHECK_DRIVERS:-tools/sanitize_cases.py:rms_norm tools/sanitize_cases.py:gated \
 tools/sanitize_cases.py:addmm tools/sanitize_cases.py:addmm_no_lt tools/sanitize_rms_norm.py \

@@ -15,7 +15,7 @@ Every case prints a line (flushed) before it runs, so a log cut short by a crash
 The racecheck run of the whole driver on the H200 ended in "Internal Sanitizer Error: failed to handle a hardware
 exception" (memcheck was clean on the same driver, racecheck clean on tools/sanitize_rms_norm.py); tools/sanitize.sh
 therefore runs racecheck once per section, addmm_no_lt included, which separates cuBLASLt's kernels (not
-instrumented: --kernel-name kns=fused_mlp) from ours. See tools/SANITIZER.md.
+instrumented: --kernel-name kns=fused_mlp) from ours. See docs/releasing.md.
 """
 
 from __future__ import annotations

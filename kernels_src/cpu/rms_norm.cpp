@@ -7,14 +7,8 @@
 // use F16C in the fast copy without lifting the module's baseline ISA). Rows are spread over torch's thread
 // pool. dW: a fixed number of row chunks (independent of the thread count), one fp32 partial row each, summed
 // in a fixed order -> bitwise reproducible.
-//
-// Measured on the 2-core AMD EPYC (Zen 3) dev VM (shared, noisy; min of 5-40 interleaved runs), vs transformers'
-// LlamaRMSNorm in eager mode, 2 threads:
-//   M=N=4096  bf16: fwd 26 ms vs 194 ms (7.4x), bwd 37 vs 447 ms (12x); fp32: fwd 48 vs 149 ms (3.1x), bwd 56 vs
-//             399 ms (7.1x). Memory-bound: the VM copies at ~4-5 GB/s and fresh outputs page-fault on first touch.
-//   M=256, N=4096  bf16: fwd 0.22 vs 0.93 ms (4.2x), bwd 0.85 vs 2.7 ms (3.2x); fp32: 3.3x, 2.3x.
-// The F16C copy matters: without it (generic code, even auto-vectorised) bf16 bwd was 4.5x and fp16 fwd 25x
-// slower at M=256, N=4096.
+// The F16C copy matters (generic code, even auto-vectorised, was several times slower in bf16/fp16): timings vs
+// transformers' LlamaRMSNorm in docs/tuning-log.md#rmsnorm-cpu.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -15,15 +15,15 @@
 // dW [N,K]  (returned for a column-major mat2, so the gradient has the parameter's own layout and autograd does
 //           not copy it)  (K x N, ld K) = mat1^T (K x M, op N) * op(dZ^T) (M x N, op T):  m=K, n=N, k=M.
 //
-// ---- Epilogues and what "gelu_tanh" / "gelu" mean here (verified on an H200, cuBLASLt 13.1, see the notes) ----
+// ---- Epilogues and what "gelu_tanh" / "gelu" mean here (H200 evidence: docs/tuning-log.md#addmm-gelu-epilogue)
 // * None, bias in the output dtype: CUBLASLT_EPILOGUE_BIAS (DEFAULT without bias). One rounding.
 // * "gelu_tanh", fp32 output: CUBLASLT_EPILOGUE_GELU_BIAS. cuBLASLt's GELU epilogue IS the tanh approximation
-//   0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3))) (measured: 5e-6 from it in fp32, 4.7e-4 from the erf GeLU), computed on
-//   the fp32 accumulator + bias, rounded once. For bf16/fp16 outputs the same epilogue is NOT one rounding of that
-//   function (measured on the H200: up to ~5 output ulps off, e.g. bf16 0.0095 at 0.287), so half-precision
-//   "gelu_tanh" takes the fp32-accumulator path described under "gelu" (exact, a little slower). In training GELU_AUX_BIAS also stores Z = acc + bias (rounded to the
-//   output dtype, AUX dtype must equal D's) for the backward. AUX_LD must be a multiple of 8 (documented rule), so
-//   for N % 8 != 0 the training forward takes the fp32-accumulator path below instead (exact, a little slower).
+//   0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3))), computed on the fp32 accumulator + bias, rounded once. For bf16/fp16
+//   outputs the same epilogue is NOT one rounding of that function (several output ulps off), so half-precision
+//   "gelu_tanh" takes the fp32-accumulator path described under "gelu" (exact, a little slower). In training
+//   GELU_AUX_BIAS also stores Z = acc + bias (rounded to the output dtype, AUX dtype must equal D's) for the
+//   backward. AUX_LD must be a multiple of 8 (documented rule), so for N % 8 != 0 the training forward takes the
+//   fp32-accumulator path below instead (exact, a little slower).
 // * "gelu" (exact erf GeLU): no cuBLASLt epilogue computes it, so it is NOT faked with the tanh epilogue. The GEMM
 //   writes the fp32 accumulator (A/B in the input dtype, C/D fp32, DEFAULT epilogue), and one elementwise kernel
 //   adds the bias in fp32, applies erf-GeLU in fp32 and rounds once (also writing Z in training). Still one
@@ -40,10 +40,9 @@
 // per-block partials + a column reduction in a fixed order (deterministic, no atomics), rounded once. Without an
 // activation and with dY already in the input dtype, dY is the GEMM operand as is and the kernel only sums.
 // dX and dW are plain cuBLASLt GEMMs (DEFAULT epilogue).
-// Not used, deliberately: DGELU_BGRAD (needs the dGeLU to follow a GEMM, but here dY is an input; in MLP chains
-// it measured 35-60% slower than GEMM + elementwise on the H200) and BGRADA/BGRADB on the dW GEMM (measured no
-// faster than plain dW + a column sum: 1.80 vs 1.48 + 0.07 ms at 8192x4096x16384 bf16; the bias grad would also be
-// rounded to the output dtype instead of summed from the fp32 dZ).
+// Not used, deliberately: DGELU_BGRAD (needs the dGeLU to follow a GEMM, but here dY is an input; measured slower)
+// and BGRADA/BGRADB on the dW GEMM (measured no faster than plain dW + a column sum; the bias grad would also be
+// rounded to the output dtype instead of summed from the fp32 dZ) -- docs/tuning-log.md#addmm-bwd-epilogues
 //
 // ---- Precision rules kept in every cuBLASLt call ----
 // compute type CUBLAS_COMPUTE_32F for every dtype (fp32 inputs never use TF32 here, whatever torch's TF32 flag);
@@ -339,12 +338,11 @@ struct PlanKeyHash {
 // ---- Tuning table (host side) ----
 // kMaxPlans: cached cuBLASLt plans per thread; the table is simply cleared when it grows past this (serving with
 //   many distinct token counts re-queries the heuristic, ~tens of us, once per new shape).
-// kAutotune*: opt-in timing of the heuristic's top candidates (see autotune_plan). Motivation, measured on the
-//   H200 at 8192x4096x16384 bf16: the heuristic's first pick for GELU_BIAS ran 1.679 ms, its second 1.475 ms;
-//   BIAS 1.593 vs 1.505. Only for GEMMs of >= 8.6 GFLOP (>= ~12 us), where one-time tuning (~8 candidates x 4
-//   runs) is amortised; small/decode shapes keep the heuristic's pick.
-// Not measured yet (no GPU in the development sandbox): the backward grid (4 blocks per SM target, 32 x 8 tiles)
-//   and the bias/activation kernel grid (8 blocks per SM, grid-stride).
+// kAutotune*: opt-in timing of the heuristic's top candidates (see autotune_plan): its first pick is not always
+//   the fastest on large GEMMs. Only for GEMMs of >= 8.6 GFLOP (>= ~12 us), where one-time tuning (~8 candidates
+//   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
+// Not measured yet: the backward grid (4 blocks per SM target, 32 x 8 tiles) and the bias/activation kernel grid
+//   (8 blocks per SM, grid-stride) -- docs/tuning-log.md#addmm-grids
 constexpr size_t kMaxPlans = 4096;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;
@@ -397,9 +395,8 @@ cublasLtHandle_t lt_handle([[maybe_unused]] int dev) {
 
 // Bytes of the cuBLASLt workspace: torch's own size (classic build), or the same default in the stable build
 // (CUBLASLT_WORKSPACE_SIZE in KiB, default 1024 KiB), so the heuristic sees what it sees in the classic build and
-// picks the same algorithms. Measured on the H200: with a 32 MiB workspace the heuristic chose, for bf16 D with the
-// BIAS epilogue at M=83, K=128, N=3, an algorithm whose result was not rounded once (max error 0.0142 where one
-// rounding allows 0.0078). (The stable build does not see torch.cuda's runtime workspace setters.)
+// picks the same algorithms: a larger workspace let it pick a bf16 BIAS algorithm that does not round once
+// (docs/tuning-log.md#addmm-workspace). (The stable build does not see torch.cuda's runtime workspace setters.)
 size_t lt_workspace_bytes() {
 #if defined(FUSED_MLP_STABLE_ABI)
   static const size_t bytes = [] {
@@ -738,9 +735,8 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   // 1. The fused epilogue, when cuBLASLt can compute exactly what was asked for.
   const bool bias_in_out_dtype = !bias.has_value() || bias->scalar_type() == T;
   const bool aux_ok = !want_z || N % 8 == 0;  // documented AUX_LD rule (multiple of 8)
-  // cuBLASLt's GELU epilogue is exact (one rounding) only for fp32 outputs: for bf16/fp16 outputs the H200 GPU test
-  // (test_forward_rounded_once) measured errors of ~5 output ulps (bf16: 0.0095 at 0.287, one-rounding bound
-  // 0.0012), so half-precision GeLU takes the fp32-accumulator path below, which rounds once.
+  // cuBLASLt's GELU epilogue is exact (one rounding) only for fp32 outputs (docs/tuning-log.md#addmm-gelu-epilogue),
+  // so half-precision GeLU takes the fp32-accumulator path below, which rounds once.
   const bool epilogue_exact = act == kActNone || T == kFloat;
   if (act != kActGeluErf && epilogue_exact && bias_in_out_dtype && aux_ok) {
     LtGemm f = g;

@@ -26,14 +26,13 @@ constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
 // FAST (16-bit outputs): the MUFU forms ex2.approx.ftz and rcp.approx.ftz (~2 ulp of fp32) instead of the
 // IEEE-accurate expf and reciprocal, whose range reduction and slow-path subroutine calls made the bf16 kernels
-// issue-bound (ncu on the H200: 70% issue-active at 73% of copy bandwidth; 16 CALLs per 16 elements in the SASS).
-// 2 ulp of fp32 is 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp, so the rounded result is the correctly rounded
-// one except in rare ties. The .ftz forms: without it ptxas wraps every ex2 in a denormal-range test, two
-// predicated multiplies and one shared predicate register, which serialised the GEMM epilogues' eight independent
-// elements (ncu source counters, H200: 37 instructions per element in the backward epilogue, 31 with ftz). ftz only
-// changes e^z below 2^-126 (|z| > 87) from a denormal to 0, where act(x) is below 1e-36 and 0 in fp32 PyTorch as
-// well. log2(e) is folded into the callers' constants (zl = z log2 e), saving one multiply per element. fp32 outputs
-// keep the accurate functions.
+// issue-bound (docs/tuning-log.md#gated-act-mufu). 2 ulp of fp32 is 2^-15 of a bf16 ulp and 2^-12 of an fp16 ulp,
+// so the rounded result is the correctly rounded one except in rare ties. The .ftz forms: without it ptxas wraps
+// every ex2 in a denormal-range test, two predicated multiplies and one shared predicate register, which serialised
+// the GEMM epilogues' eight independent elements (docs/tuning-log.md#gated-act-ftz). ftz only changes e^z below
+// 2^-126 (|z| > 87) from a denormal to 0, where act(x) is below 1e-36 and 0 in fp32 PyTorch as well. log2(e) is
+// folded into the callers' constants (zl = z log2 e), saving one multiply per element. fp32 outputs keep the
+// accurate functions.
 constexpr float kLog2e = 1.44269504088896340736f;
 
 __device__ __forceinline__ float ex2_ftz(float x) {
@@ -54,7 +53,7 @@ __device__ __forceinline__ float rcp_ftz(float x) {
 // absolute error stays below 2^-24, and the callers add it to s ~ 1 (times x dz: a few 1e-6 of s at most, far below a
 // 16-bit ulp); at s = 1 exactly, ds = 0 (the 2^-24-accurate rounding of e^-z). Before: e = exp(-|z|), r = 1/(1+e),
 // s = z >= 0 ? r : e r, ds = e r^2, which is relative-accurate on both tails but took three more instructions per
-// element (a multiply, a compare and a select), 10% of the GEMM backward epilogue's.
+// element (a multiply, a compare and a select): docs/tuning-log.md#gated-act-sigmoid.
 // Accurate form: e = exp(-|z|) (never overflows): for z >= 0 s = 1 / (1 + e), else e / (1 + e); ds = e / (1 + e)^2.
 template <bool FAST>
 __device__ __forceinline__ void sigmoid_and_slope(float z_or_zl, float& s, float& ds) {

@@ -474,10 +474,11 @@ struct GatedEpilogue {
     } else {
       // The saved gate/up are read here and dgate/dup written over them, h into its own buffer. In the WGMMA
       // accumulator layout a thread holds two adjacent columns per 8-column block, so its own accesses would be
-      // 4-byte words, 8 rows per warp instruction (a quarter of a sector used per row and word; H200: the epilogue
-      // then costs more than the cuBLAS path's separate elementwise pass). So the four lanes of a quad first
-      // transpose their fp32 dh (quad_transpose): for each group of four blocks, lane q takes block 4g + q, all 8
-      // columns. Every access is then 16 bytes (8 bf16/fp16) per thread, 64 contiguous bytes per quad and row.
+      // 4-byte words, 8 rows per warp instruction (a quarter of a sector used per row and word: the epilogue then
+      // cost more than the cuBLAS path's separate elementwise pass, docs/tuning-log.md#gated-gemm-bwd-16byte). So
+      // the four lanes of a quad first transpose their fp32 dh (quad_transpose): for each group of four blocks,
+      // lane q takes block 4g + q, all 8 columns. Every access is then 16 bytes (8 bf16/fp16) per thread, 64
+      // contiguous bytes per quad and row.
       constexpr int G = J / 4, NG = MM * 2 * G;
       static_assert(J % 4 == 0, "the quad transpose takes the accumulator's 8-column blocks four at a time");
       // group k = (mm, b, g): where this lane's block of it is (block_at)
@@ -535,11 +536,11 @@ struct GatedEpilogue {
         // The tile's gate/up blocks stream through shared memory, which holds no registers (the accumulators take
         // most of them), with cp.async: a ring of D = NG/2 slots per thread, one commit group per accumulator group,
         // D groups in flight; group k's slot is refilled with group k + D right after group k is done. So the
-        // loads run D groups ahead of the math, in 32 KB: the mainloop keeps 6 stages (H200, kernel alone at
-        // T=4096, H=2048, three runs in one call: 483/464/479 us vs 506/510/498 with the whole tile requested at
-        // once into 64 KB and 5 stages). Each thread reads back and refills only its own slots (cp.async.wait_group
-        // orders that), so no barrier is needed; the other warpgroup's epilogue, which reuses the buffer, starts
-        // only after this one has ended (the ping-pong's math order barrier).
+        // loads run D groups ahead of the math, in 32 KB: the mainloop keeps 6 stages (faster than the whole tile
+        // at once into 64 KB with 5 stages: docs/tuning-log.md#gated-gemm-bwd-staging). Each thread reads back
+        // and refills only its own slots (cp.async.wait_group orders that), so no barrier is needed; the other
+        // warpgroup's epilogue, which reuses the buffer, starts only after this one has ended (the ping-pong's
+        // math order barrier).
         static_assert(NG == kStagedGroups && NG % 2 == 0, "staged epilogue: unexpected accumulator size");
         constexpr int D = kStagedDepth;
         auto& st = *reinterpret_cast<StagedStorage*>(smem);
@@ -697,20 +698,8 @@ namespace fused_mlp::cuda {
 namespace {
 
 #ifndef FUSED_MLP_NO_ARCH
-// Default schedules. H200, bf16, T=4096, H=2048, I=16384, fused / cuBLAS path in one run of benchmarks/epilogue.py
-// --quick (5 interleaved rounds): inference forward ping-pong 0.922-0.926, cooperative 0.949-0.953 (the ping-pong
-// hides the activation math behind the other warpgroup's MMAs); training forward ping-pong 1.005-1.007, cooperative
-// 1.019-1.033. Backward, since its epilogue's accesses are 16 bytes wide (quad transpose), fwd+bwd with only the
-// backward fused (7 interleaved rounds): ping-pong 0.986 1.002 1.004 | 1.007 | 1.002, cooperative 0.994 1.008 1.002
-// | 1.010 | 1.016 at H=2048 I=16384 T=4096/1024/2048 | H=3072 I=24576 T=4096 | H=4096 I=14336 T=4096 (before it,
-// with 4-byte accesses: cooperative 1.028-1.048, ping-pong 1.056-1.063). Since the ping-pong backward stages gate/up
-// in shared memory, its kernel alone (T=4096) took 526 us at H=2048 and 816 us at H=4096, the cooperative one (loads
-// into registers) 617 and 942 us; with the shared-memory ring and the ftz MUFU forms (gated_act.cuh), 464-483 us at
-// H=2048 (cuBLAS GEMM alone 420-438 us in the same run). Other forward tiles and clusters, probed (H200, T=4096,
-// H=2048, I=16384, inference kernel alone, 5 interleaved rounds, median): cooperative 256x128 with a 2x1 cluster 878
-// us and with 1x2 833 us, against 781 us for this ping-pong 128x128 2x1; ping-pong 1x2 (multicasting x instead of the
-// weights) 795-819 us against 781-801, and the MLP's fwd+bwd 3748-3774 us against 3676-3773 over 5 and 12 rounds:
-// no gain, the outputs bit-identical.
+// Default schedules: ping-pong for both passes (it hides the activation math behind the other warpgroup's MMAs;
+// the cooperative schedule and other tiles and clusters measured slower) -- docs/tuning-log.md#gated-gemm-schedules
 constexpr bool kFwdPingPong = true;
 constexpr bool kBwdPingPong = true;
 

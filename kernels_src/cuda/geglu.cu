@@ -9,11 +9,8 @@
 // (fwd U = 2, bf16: 2 x (16 + 16) B = 64 B; vector bwd U = 1: 16 + 16 + 16 B, 32 + 16 + 16 with an fp32 dh).
 // The grid is sized to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no
 // tail wave.
-// Issue rate, not bandwidth, limited the first version: ncu on the H200 (bf16, T=4096, I=16384) read 70%
-// issue-active at 73% of copy bandwidth in the forward, the SASS had 16 subroutine CALLs per 16 elements (the
-// IEEE reciprocal's slow path) and two funnel shifts per bf16 -> fp32 conversion. Now 16-bit outputs take
-// MUFU exp / reciprocal (sigmoid_and_slope) and word-wise conversions (unit_elem): measured 94-99% of copy
-// bandwidth in the forward at T*I >= 32M (was 69-77%).
+// 16-bit outputs take MUFU exp / reciprocal (sigmoid_and_slope) and word-wise conversions (unit_elem): with the
+// IEEE reciprocal and shift-based conversions the kernels were issue-bound -- docs/tuning-log.md#gated-act-mufu
 // Numerics (the CPU file's formulas; fp32 outputs with CUDA's accurate expf/erff):
 //   sigmoid(z): e = expf(-|z|) (never overflows), r = 1/(1+e), sigmoid = z >= 0 ? r : e*r,
 //               sigmoid'(z) = e*r*r (no cancellation on either side).
@@ -47,9 +44,8 @@ namespace {
 //   the granularity of the grid-stride loop.
 // kUnroll = 2: packs per thread per iteration (forward, and the scalar backward). Little's law on the H200:
 //   4.8 TB/s x ~0.8 us ~= 3.8 MB in flight ~= 29 KB per SM; 64-128 B per thread needs >= 512 resident threads
-//   per SM. The vector backward takes 1 (kBwdUnrollDefault): with 2 it held 86 registers per thread (2 blocks of
-//   256 per SM, ncu: 24% warps active); measured on the H200, 1 is as fast at I = 16384/24576/14336 and 27%
-//   faster at I = 9216.
+//   per SM. The vector backward takes 1 (kBwdUnrollDefault): 2 costs registers and occupancy and was nowhere
+//   faster -- docs/tuning-log.md#geglu-bwd-unroll
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
 

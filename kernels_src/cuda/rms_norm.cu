@@ -29,13 +29,10 @@
 //       them -> ITERS <= 8.  Rows path: N <= 65536 (bf16/fp16), 32768 (fp32 or an fp32 residual stream).
 //     bwd holds h and dy packs: ITERS * VEC * (|h| + |dy|) / 4 <= 64 regs -> 16-bit h and dy: ITERS <= 8; one
 //       of them fp32: 4; both fp32 with a 16-bit x: 4 (VEC 8) ; fp32 x: 8.  dW partials are in smem.
-//   ptxas, sm_90, CUDA 13.0 (-O3), all 88 kernels: 0 bytes spilled. Registers/thread: fwd rows bf16 ITERS
-//     1/2/4/8/16 = 45/47/56/80/117 (with a bf16 residual 46/60/78/116/128); bwd rows bf16 h+dy ITERS 1/2/4/8 =
-//     68/96/102/128, bf16 h + fp32 dy 72/83/109/-; fwd wide 64-126; bwd wide 96-128; column sum 40.
-//     The per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it: 128 regs and
-//     up to 800 B of spills at ITERS >= 8).  sm_80: 0 spills anywhere. sm_100 / sm_120 spill in fwd rows
-//     ITERS = 16 (~256 B) and, sm_120 only, bwd rows ITERS = 8: the host reads each kernel's localSizeBytes on
-//     the running device and takes fewer packs per thread, or the wide kernel, instead of a spilling variant.
+//   No kernel spills on sm_80 / sm_90 (ptxas registers per kernel: docs/tuning-log.md#rmsnorm-registers). The
+//     per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it ITERS >= 8 spills).
+//     sm_100 / sm_120 spill in some rows variants: the host reads each kernel's localSizeBytes on the running
+//     device and takes fewer packs per thread, or the wide kernel, instead of a spilling variant.
 //   Shared memory, checked against cudaDevAttrMaxSharedMemoryPerBlockOptin (minus 1 KB) for the actual N before
 //   every launch; a configuration that does not fit is never launched (prefetch / caching is switched off,
 //   the rows-path bwd falls to the wide kernel, whose zero-smem form always fits):
@@ -44,13 +41,9 @@
 //   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
-// These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below (bf16, M >= 4096,
-// N in 2048..65536: forcing 8 or 16 packs per thread, or switching prefetch off, was never faster by more than
-// noise and up to 40% slower). Limit today: instruction issue, not DRAM (ncu, fwd N = 4096: 80% issue-active,
-// ~26 instructions per element; bwd: 65% issue-active with 25% warps active at 102 registers per thread).
-// Conversions read 32-bit words (Pack::f, one instruction per bf16 element instead of two). Also tried on the
-// H200 (bf16, same shapes): no prefetch with one block per row group (no persistent loop, Liger's shape) was
-// 15-25% slower in the forward and the fused add; the persistent prefetching grid stays.
+// These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below; the persistent
+// prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM. Conversions read 32-bit
+// words (Pack::f, one instruction per bf16 element instead of two). -- docs/tuning-log.md#rmsnorm-cuda-config
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <cuda_runtime.h>

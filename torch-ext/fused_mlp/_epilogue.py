@@ -38,72 +38,17 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 # Dispatch table: pass -> (minimum tokens T, minimum I, minimum H, maximum H): the shapes on which the fused kernel
 # is used in `auto` mode. Passes: "fwd" (inference forward: h only), "train" (both training passes fused, the slopes
 # form: use_slopes), and where "train" does not apply, "fwd_train" (training forward: h, gate, up) and "bwd" each on
-# its own. A pass with no entry keeps the cuBLAS path. Every entry names the measurement it rests on
-# (benchmarks/results/nvidia-h200/epilogue.csv; ratio = fused / cuBLAS path at the same shape, lower is better;
-# tests/test_gated_gemm.py checks the table against that CSV).
-#
-# H200, bf16, gelu_tanh, 9 interleaved rounds, shapes H=2048 I=16384 T=512/1024/2048/4096 | H=3072 I=24576 T=512/4096
-# | H=4096 I=14336 T=512/4096 (epilogue.csv, build _fused_mlp_cuda_c5b9027a54: the slopes form; "before": build
-# 861b0181cb, the sigmoid as 1 / (1 + 2^-z); "earlier": a86c8b067c, the backward's shared-memory ring and the ftz MUFU
-# forms, and older builds, and runs of benchmarks/epilogue.py's providers in other processes):
-#   fwd        0.954 0.945 0.933 0.920 | 0.987 0.963 | 0.967 0.999 (before: 0.948 0.935 0.944 0.919 | 0.970 0.961 |
-#              0.966 1.005; earlier: 0.973 0.926 0.926 0.905 | 0.968 0.960 | 0.931 1.019, 0.946 0.972 0.920 0.906 |
-#              0.961 0.953 | 0.963 0.994, and H=4096 T=4096 1.02-1.04 in three runs, 1.010 in build b53cf7c0b1). The
-#              fused forward saves one pass over [T, I], worth less against the GEMM the deeper H is: at H=4096, T=4096
-#              it wins by little or not at all. Used from T >= 512 and I >= 14336 for 2048 <= H <= 3072; H=4096 keeps
-#              the cuBLAS path (its T=512 win is given up: no measurement between T=512 and 4096). Below T=512 (decode)
-#              and outside these sizes: not measured.
-#   fwd_train  (fwd+bwd with only the forward fused; it also writes gate and up) 1.018 1.048 1.009 0.975 | 1.028 0.987 |
-#              1.041 0.987 (before: 1.015 1.015 0.992 0.979 | 1.023 0.984 | 1.030 1.007; earlier: 1.160 1.022 0.987
-#              0.978 | 1.019 0.987 | 1.029 0.999, 1.074 1.022 1.000 0.978 | 1.007 0.999 | 1.029 0.997; at H=2048 T=4096
-#              also 0.974 0.978 0.980 in three runs). Kernel time per step (torch.profiler, T=4096, H=2048): the fused
-#              forward 719 us against 712 + 96 us for the two GEMMs and the activation kernel; alone (do_bench) 843 us
-#              against 849 us for one cuBLAS GEMM on the concatenated weights. Used for H = 2048, T >= 4096, I >= 14336;
-#              T=2048 and H >= 3072 measured either way, T <= 1024 slower -> cuBLAS path.
-#   bwd        (fwd+bwd with only the backward fused) 1.052 1.058 0.990 0.980 | 1.032 0.994 | 1.037 0.979 (before: 0.929
-#              1.079 0.993 0.980 | 1.026 0.995 | 1.041 1.005; earlier: 1.312 1.050 0.988 0.974 | 1.019 0.998 | 1.062
-#              0.996, 1.206 1.061 1.007 0.982 | 1.025 0.990 | 1.063 0.997). Its kernel alone, T=4096 H=2048: 440-460 us
-#              against 390-410 us for the cuBLAS GEMM (before 464-484 against 420-449; earlier 520-541 against 392-417)
-#              plus ~207 us for the elementwise pass it replaces; with no epilogue at all the same kernel took 378-389
-#              us. At K = H = 64 (the epilogue alone, the two warpgroups' epilogues serialised) 264-272 us, 311 before
-#              the ftz forms: the epilogue is issue- and latency-bound (ncu source counters: 37 instructions per element
-#              before, 31 with the ftz forms; the denormal test around each non-ftz ex2 shared one predicate register
-#              across the eight elements of a group). The sigmoid as 1 / (1 + 2^-z) with ds = s - s^2 (gated_act.cuh)
-#              takes about two more per element off: A/B against the previous build, three rounds in one call, kernel
-#              alone 440-460 us vs 456-466 (K=64: 259-274 vs 285-324); forward kernels unchanged (806-828 us both). Used
-#              for T >= 4096, I >= 14336, 2048 <= H <= 3072; H=4096 (0.979 now; 1.005, 0.996, 0.997 before) and T <=
-#              2048 (T=2048: 0.990, 0.993, 0.988, 1.007; T <= 1024 either way) keep the cuBLAS path. Tried too (H200,
-#              T=4096 H=2048 I=16384): the epilogue loading gate/up straight into registers, a few groups ahead, after
-#              an L2 prefetch (kernel 537 us); all of the tile's gate/up at once into 64 KB of shared memory, 5 stages
-#              (520-541 us; 498-510 with the ftz forms; now: a ring of 8 groups in 32 KB, 6 stages, see
-#              gated_gemm_sm90.cu); 4-byte accesses in the accumulator layout (fwd+bwd 1.03-1.06; now: 16-byte accesses
-#              after a transpose within each quad of lanes); ldmatrix/stmatrix through a row-major staged tile (584 us);
-#              the producer warp prefetching each tile's gate/up into L2 ahead of its epilogue (kernel 610-774 us); L2
-#              evict-first hints on the epilogue's loads and stores, and tile swizzles 2 and 4 (no gain beyond noise);
-#              the stock TMA epilogue with a visitor tree, loading and storing through shared memory that the mainloop's
-#              stages give up (1.13-1.29, branch `bwd-evt`). The backward's other GEMMs (dW_down, dx, dW_gate, dW_up:
-#              cuBLAS) through CUTLASS's stock sm_90 ping-pong / cooperative kernels in the layouts they come in, no
-#              transposed copy: 1.00-1.09x cuBLAS's time per GEMM at T=4096 (H=2048: ping-pong 0.998 / 1.042 / 1.014 for
-#              dW_down / dx / dW_gate; H=3072 and 4096: 1.02-1.09; cooperative 1.04-1.10), at T=512-1024 0.94-0.97x for
-#              the weight gradients but 1.07-1.52x for dx; fwd+bwd 3.81 ms vs 3.70 (cuBLAS); and dW_gate, dW_up as one
-#              GEMM on a [T, 2I] dgate|dup buffer: 793 us vs 2 x 388 (no gain): cuBLAS stays for all of them.
-#   train      (fwd+bwd with both passes fused: the slopes form, the forward saving h, P = up act'(gate), Q = act(gate)
-#              and the backward's epilogue dgate = dh P, dup = dh Q) 0.984 0.999 0.972 0.948 | 1.013 0.984 | 1.027 0.989
-#              (build b53cf7c0b1: 0.900 1.001 0.973 0.951 | 1.014 0.977 | 1.020 1.004); both passes fused in the gate/up
-#              form before (the three earlier CSVs): T=2048 0.986 0.985 1.016, T=4096 0.960 0.955 0.961 | H=3072 T=4096
-#              0.978 0.975 0.983 | H=4096 T=4096 1.008 1.004 1.016, so at H=3072 both passes fused beat the backward
-#              alone (0.995 0.998 0.990) in every run. T=4096 H=2048 I=16384, one call (build c7830f9e71), 5 interleaved
-#              rounds, min-median: backward kernel alone 437-451 us against 478-483 us in the gate/up form; a
-#              hand-written step of each form with the same cuBLAS GEMMs: median 3722 us against 3804 us; fwd+bwd in the
-#              full runs 3.742 and 3.750 ms = 0.948 and 0.951x the cuBLAS path, 1.063 and 1.059x torch.compile;
-#              benchmarks/epilogue.py --quick (7 rounds) in four runs: 3.741 3.754 3.746 3.709 ms = 0.934 0.937 0.962
-#              0.950x the cuBLAS path, 1.083 1.067 1.048 1.054x torch.compile (the gate/up form: 0.953-0.971x and
-#              1.027-1.063x). Peak 1.04 GB against 0.906 (h is kept). Used for T >= 4096, I >= 14336, 2048 <= H <= 3072;
-#              T=2048 (0.972 and 0.973 now, 1.016 once before) and H=4096 keep the passes as above.
+# its own. A pass with no entry keeps the cuBLAS path; so do T < 512 and the sizes not benchmarked. The measurement:
+# benchmarks/results/nvidia-h200/epilogue.csv (tests/test_gated_gemm.py checks the table against it); ratio = fused /
+# cuBLAS-path time on the H200. Every run, build and rejected variant: docs/tuning-log.md#gated-gemm-dispatch.
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
+    # 0.920-0.987 at 2048 <= H <= 3072, T >= 512; H=4096 either way -- docs/tuning-log.md#gated-gemm-fwd
     "fwd": (512, 14336, 2048, 3072),
+    # fwd+bwd 0.975 at H=2048 T=4096; T=2048, H >= 3072 either way -- docs/tuning-log.md#gated-gemm-fwd-train
     "fwd_train": (4096, 14336, 2048, 2048),
+    # fwd+bwd 0.980 / 0.994 at H=2048 / 3072, T=4096; T <= 2048, H=4096 either way -- docs/tuning-log.md#gated-gemm-bwd
     "bwd": (4096, 14336, 2048, 3072),
+    # fwd+bwd 0.948 / 0.984 at H=2048 / 3072, T=4096 (the slopes form) -- docs/tuning-log.md#gated-gemm-train
     "train": (4096, 14336, 2048, 3072),
 }
 
