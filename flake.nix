@@ -14,7 +14,7 @@
       # The test closure (`nix build .#ci-test`, `nix develop .#test`) runs `pytest tests -m kernels_ci`, but
       # pytest imports every test module first: each third-party module a test imports at module level must be
       # here (torch and pytest come with kernel-builder; kernels only with recent ones, so it is listed too).
-      # tests/test_release.py checks this list.
+      # tests/packaging/test_release.py checks this list.
       pythonCheckInputs =
         pkgs: with pkgs; [
           hypothesis

@@ -35,7 +35,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 # ---------------------------------------------------------------------------------------------------------------
 # The targets, as data. docs/targets.md states each one (by id, under its group's heading) and where it comes from;
-# tests/test_docs.py checks that every id here appears there. `group`: the heading in docs/targets.md.
+# tests/packaging/test_docs.py checks that every id here appears there. `group`: the heading in docs/targets.md.
 # `headline`: the row's label in the README's status table (a few targets only).
 # `where`: column -> (op, value[, value2]) with op in >=, <=, ==, between, in; applied to the CSV row's columns.
 # `check`:
@@ -596,7 +596,7 @@ def generated(rows: list[dict[str, str]], *, out: Path | None = None, results: P
               readme: Path | None = None, results_tables: bool = False,
               results_shapes: int = 8) -> dict[Path, str]:
     """What each page gets: ``out`` the whole text, ``results`` and ``readme`` the text between their markers (links
-    relative to each page). tests/test_docs.py compares the committed pages with this."""
+    relative to each page). tests/packaging/test_docs.py compares the committed pages with this."""
     targets_md = ROOT / "docs" / "targets.md"
     pages: dict[Path, str] = {}
     if out:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Scale-out benchmark: training tokens/s per GPU of a Gemma-shaped model on 1 and 2 GPUs, under DDP and FSDP2
 (``fully_shard``), eager vs kernelized (``kernels.kernelize``, Mode.TRAINING, this checkout's GemmaRMSNorm and
-GeGLUMLP mapped through ``LocalLayerRepository``, exactly as tests/distributed_train.py and a user do it).
+GeGLUMLP mapped through ``LocalLayerRepository``, exactly as tests/scripts/distributed_train.py and a user do it).
 
     python benchmarks/scale.py --out DIR                 # GPU: 1 and 2 GPUs (2 when present), ddp + fsdp2
     python benchmarks/scale.py --out DIR --quick         # smaller model, fewer steps
@@ -16,7 +16,7 @@ OMP_NUM_THREADS=1 on the CPU.
 
 Methodology (worker):
 - Model: GemmaForCausalLM from a GemmaConfig (tanh-GeLU, sdpa attention), seed-0 random weights initialised on the
-  device, identical in every process and for eager and kernelized (built by tests/distributed_train.make_model).
+  device, identical in every process and for eager and kernelized (built by tests/scripts/distributed_train.make_model).
   GPU: **bf16 parameters, gradients and AdamW states** (no fp32 master weights, no autocast: the simplest
   set-up that runs the bf16 kernels; FSDP2 with its default policy, i.e. bf16 all-gather and reduce-scatter; DDP
   all-reduces bf16 gradients). CPU: fp32.
@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

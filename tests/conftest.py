@@ -21,10 +21,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 # ---- hypothesis profiles -----------------------------------------------------------------------------------
 # "ci" (default): few, fixed examples per property test (derandomized: every CI run tests the same cases, and a
-#   failure reproduces with the same command). tests/test_properties.py takes ~2 minutes on 2 cores with it.
+#   failure reproduces with the same command). tests/robustness/test_properties.py takes ~2 minutes on 2 cores with it.
 # "gpu": the large sweep for the GPU machine, >= 2000 examples per property test, fresh random examples each run
 #   (a failure prints the seed and a reproduction blob; rerun with `--hypothesis-seed=<seed>`):
-#       HYPOTHESIS_PROFILE=gpu python -m pytest tests/test_properties.py -q
+#       HYPOTHESIS_PROFILE=gpu python -m pytest tests/robustness/test_properties.py -q
 # Tests with an explicit @settings(max_examples=...) keep their count under both profiles.
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("ci", max_examples=24, deadline=None, derandomize=True, database=None,

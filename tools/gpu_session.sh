@@ -55,12 +55,12 @@ for s in $stages; do
       export FUSED_MLP_HYPOTHESIS_EXAMPLES=$(( (2000 + shards - 1) / shards ))
       mkdir -p /tmp/props
       pids=()
-      for t in $(grep -oE "^def (test_[a-z0-9_]+)" tests/test_properties.py | cut -c5-); do
+      for t in $(grep -oE "^def (test_[a-z0-9_]+)" tests/robustness/test_properties.py | cut -c5-); do
         for k in $(seq 1 "$shards"); do
           seed=$((1000 * k + RANDOM))
           ( s0=$(date +%s)
             OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=gpu timeout "${PROPS_TIMEOUT:-480}" python3 -m pytest \
-              "tests/test_properties.py::$t" -q -rfE --tb=short -p no:cacheprovider -p no:xdist \
+              "tests/robustness/test_properties.py::$t" -q -rfE --tb=short -p no:cacheprovider -p no:xdist \
               --hypothesis-seed="$seed" > "/tmp/props/$t.$k.txt" 2>&1
             rc=$?
             echo "$t shard $k/$shards (seed $seed): exit $rc, $(( $(date +%s) - s0 )) s: $(tail -n 1 "/tmp/props/$t.$k.txt")" \
@@ -89,7 +89,7 @@ for s in $stages; do
       timeout "${EXAMPLE_TIMEOUT:-150}" python3 example.py ${EXAMPLE_ARGS:-} 2>&1 | tail -n 30 ;;
     multigpu)
       stamp multigpu
-      timeout 300 python3 -m pytest tests/test_distributed.py -q -rfEs 2>&1 | tail -n 30 ;;
+      timeout 300 python3 -m pytest tests/models/test_distributed.py -q -rfEs 2>&1 | tail -n 30 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

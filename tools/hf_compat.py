@@ -8,7 +8,7 @@ decorated classes carry no ``kernel_layer_name``, so ``kernels.kernelize`` repla
 its own code. The same happens with ``USE_HUB_KERNELS=0`` in the environment. ``hub_kernels_problem()`` says so
 in one clear sentence; ``check_versions()`` exits with it.
 
-Used by ``example.py`` and the tests (``tests/test_models.py``). Never imported by the kernel package, which
+Used by ``example.py`` and the tests (``tests/models/test_models.py``). Never imported by the kernel package, which
 must not import transformers (Hub rule).
 """
 

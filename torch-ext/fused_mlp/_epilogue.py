@@ -39,7 +39,7 @@ MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (
 # is used in `auto` mode. Passes: "fwd" (inference forward: h only), "train" (both training passes fused, the slopes
 # form: use_slopes), and where "train" does not apply, "fwd_train" (training forward: h, gate, up) and "bwd" each on
 # its own. A pass with no entry keeps the cuBLAS path; so do T < 512 and the sizes not benchmarked. The measurement:
-# benchmarks/results/nvidia-h200/epilogue.csv (tests/test_gated_gemm.py checks the table against it); ratio = fused /
+# benchmarks/results/nvidia-h200/epilogue.csv (tests/ops/test_gated_gemm.py checks the table against it); ratio = fused /
 # cuBLAS-path time on the H200. Every run, build and rejected variant: docs/tuning-log.md#gated-gemm-dispatch.
 DISPATCH: dict[str, tuple[int, int, int, int]] = {
     # 0.920-0.987 at 2048 <= H <= 3072, T >= 512; H=4096 either way -- docs/tuning-log.md#gated-gemm-fwd

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Train a tiny Gemma-shaped model for a few steps under DDP or FSDP2, kernelized and not, and compare.
 
-Launched by tests/test_distributed.py through torchrun (2 processes; gloo on CPU, NCCL on GPUs):
-    torchrun --nproc_per_node 2 tests/distributed_train.py --engine ddp --out result.json
+Launched by tests/models/test_distributed.py through torchrun (2 processes; gloo on CPU, NCCL on GPUs):
+    torchrun --nproc_per_node 2 tests/scripts/distributed_train.py --engine ddp --out result.json
 Both runs start from the same weights and see the same data; rank 0 writes the per-step losses and the largest
 difference of the final weights to --out.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # NVLink multicast stays off on shared multi-GPU hosts.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

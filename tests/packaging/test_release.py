@@ -63,10 +63,10 @@ def test_flake_is_the_current_kernel_builder_form():
 
 
 def _third_party_test_imports() -> set[str]:
-    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "tools").glob("*.py")}
+    local = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {p.stem for p in (ROOT / "tools").glob("*.py")}
     provided = {"torch", "pytest", "kernels"}  # in kernel-builder's test Python already
     names = set()
-    for f in (ROOT / "tests").glob("*.py"):
+    for f in (ROOT / "tests").rglob("*.py"):
         for node in ast.parse(f.read_text()).body:  # module level only: collection imports these
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}

@@ -655,7 +655,7 @@ def test_opt_in_autotune_keeps_numerics():
     code = textwrap.dedent(
         """
         import pathlib, sys, torch, kernels
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/ops"]
         import test_addmm as T
         from _utils import assert_2x_rule
         fm = kernels.get_local_kernel(pathlib.Path(T_ROOT))

@@ -18,7 +18,7 @@ summed or cancelled (evaluation order is free).
 Profiles (registered in tests/conftest.py): "ci" is the default — few, derandomized examples (~2 minutes on 2
 cores); "gpu" runs >= 2000 fresh examples per test on every device present:
 
-    HYPOTHESIS_PROFILE=gpu python -m pytest tests/test_properties.py -q [--hypothesis-seed=N]
+    HYPOTHESIS_PROFILE=gpu python -m pytest tests/robustness/test_properties.py -q [--hypothesis-seed=N]
 
 A failure found by a sweep is kept below as an explicit `@example(case=...)` regression case.
 """

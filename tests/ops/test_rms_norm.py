@@ -479,7 +479,7 @@ def test_cpu_baseline_copy_subprocess():
     code = textwrap.dedent(
         f"""
         import sys, torch
-        sys.path.insert(0, {str(ROOT / "tests")!r})
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
         import kernels
         from test_rms_norm import run_case, make
         fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}), backend="cpu")
@@ -572,7 +572,7 @@ def test_cuda_tuning_knobs_subprocess():
     code = textwrap.dedent(
         f"""
         import sys, torch
-        sys.path.insert(0, {str(ROOT / "tests")!r})
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
         import kernels
         from test_rms_norm import run_case, make
         fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))

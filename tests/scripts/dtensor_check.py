@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DTensor inputs to the layers (tensor / sequence parallel), 2 processes (gloo on CPU, NCCL with two GPUs).
 
-Launched by tests/test_distributed.py:   torchrun --nproc_per_node 2 tests/dtensor_check.py --out result.json
+Launched by tests/models/test_distributed.py:   torchrun --nproc_per_node 2 tests/scripts/dtensor_check.py --out result.json
 For RMSNorm: rows sharded (batch or sequence dim) or replicated -> the fused kernel on the local rows, with the
 replicated weight's gradient declared partial; hidden dim sharded -> the module's own math (warned once).
 For Linear with a sharded DTensor weight -> nn.Linear's own forward (warned once). Outputs and gradients are
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "tests" / "distributed_train.py"
+SCRIPT = ROOT / "tests" / "scripts" / "distributed_train.py"
 
 
 def launch_env() -> dict[str, str]:
@@ -59,7 +59,7 @@ def test_dtensor_inputs_tensor_and_sequence_parallel(tmp_path):
     out = tmp_path / "dtensor.json"
     env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "dtensor_check.py"), "--out", str(out)]
+           str(ROOT / "tests" / "scripts" / "dtensor_check.py"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     res = json.loads(out.read_text())["results"]
@@ -78,7 +78,7 @@ def test_transformers_tensor_parallel(tmp_path):
     out = tmp_path / "tp.json"
     env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "tp_check.py"), "--model-dir", str(tmp_path / "model"), "--out", str(out)]
+           str(ROOT / "tests" / "scripts" / "tp_check.py"), "--model-dir", str(tmp_path / "model"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     res = json.loads(out.read_text())

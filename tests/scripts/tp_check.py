@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """transformers tensor parallel (`tp_plan="auto"`) with the kernelized layers, 2 processes (gloo on CPU, NCCL with
-two GPUs). Launched by tests/test_distributed.py:
-    torchrun --nproc_per_node 2 tests/tp_check.py --model-dir DIR --out result.json
+two GPUs). Launched by tests/models/test_distributed.py:
+    torchrun --nproc_per_node 2 tests/scripts/tp_check.py --model-dir DIR --out result.json
 Rank 0 saves a tiny random Llama to DIR (no network), every rank loads it with tp_plan="auto", kernelizes it
 (RMSNorm and the SwiGLU MLP mapped to this checkout) and compares logits with the unsharded model. What the layers
 see under transformers' TP: plain norm weights with plain (local) activations -> the fused RMSNorm runs; DTensor
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
