@@ -911,8 +911,11 @@ def _run_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: t
             t = cuda_graph_time(bound.fwd, calls=GRAPH_CALLS, rounds=GRAPH_ROUNDS)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         return dict(base, status=f"error: {describe_exception(e)}")
-    return dict(base, status="ok", max_err=err, compile_s=compile_s if prov.name == "inductor" else None,
-                **_metric_fields(ctx, op, case, "fwd", t))
+    fields = _metric_fields(ctx, op, case, "fwd", t)
+    if math.isnan(fields.get("ceiling_value", math.nan)):  # a fwd_graph-only run measures no ceiling
+        for k in ("ceiling", "ceiling_value", "pct_of_ceiling"):
+            fields.pop(k, None)
+    return dict(base, status="ok", max_err=err, compile_s=compile_s if prov.name == "inductor" else None, **fields)
 
 
 def run_graph_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
