@@ -243,6 +243,39 @@ class Timer:
         return Timing(*(_percentile(samples, q) for q in QUANTILES))
 
 
+def cuda_graph_time(fn: Callable[[], Any], *, calls: int = 20, rounds: int = 50, warmup_calls: int = 3) -> Timing:
+    """Device time per call of ``fn`` with the host taken out: after ``warmup_calls`` on a side stream (compilation,
+    allocator and library warm-up happen there, as ``torch.cuda.graphs`` requires), ``calls`` back-to-back calls are
+    captured in one ``torch.cuda.CUDAGraph``; each of ``rounds`` replays is timed with CUDA events and divided by
+    ``calls``. Quantiles 0.2/0.5/0.8 over the rounds. No L2 flush: the inputs stay L2-resident across the replay, as
+    the activations of a decode step are (written by the kernel before). ``fn`` must not synchronize the host or
+    change shapes between calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()  # first replay uploads the graph
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(rounds):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    del graph
+    samples.sort()
+    return Timing(*(_percentile(samples, q) for q in QUANTILES))
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -350,44 +383,55 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def op_dtype_key(row: dict[str, str]) -> tuple[str, ...]:
+    """The default merge key of ``ResultWriter``: rows are replaced per (op, dtype)."""
+    return (row.get("op", ""), row.get("dtype", ""))
+
+
 class ResultWriter:
     """Collects rows and rewrites ``path`` atomically on every ``checkpoint()``.
 
-    With ``merge=True`` rows already in the file for (op, dtype) pairs *not* measured by this run are kept (so one op
-    can be rerun after a merge without losing the others); rows of the pairs this run measures are replaced.
+    With ``merge=True`` rows already in the file whose ``key`` (default (op, dtype)) is *not* measured by this run are
+    kept (so one op can be rerun after a merge without losing the others); rows of the keys this run measures are
+    replaced. ``columns`` defaults to the sweep's long format (``COLUMNS``); a benchmark with its own table (decode.py)
+    passes its own.
     """
 
-    def __init__(self, path: Path, env: dict[str, str], *, merge: bool = True, mirror: Path | None = None) -> None:
+    def __init__(self, path: Path, env: dict[str, str], *, merge: bool = True, mirror: Path | None = None,
+                 columns: Sequence[str] = COLUMNS,
+                 key: Callable[[dict[str, str]], tuple[str, ...]] = op_dtype_key) -> None:
         self.path = path
         self.mirror = mirror  # a second copy (e.g. $OUT/<device>/sweep.csv on the GPU machine)
         self.env = env
+        self.columns = list(columns)
+        self.key = key
         self.rows: list[dict[str, str]] = []
         self.kept: list[dict[str, str]] = []
-        self.ops_run: set[tuple[str, str]] = set()  # (op, dtype)
+        self.ops_run: set[tuple[str, ...]] = set()
         if merge and path.exists():
             with path.open(newline="") as f:
                 self.kept = list(csv.DictReader(f))
 
     def add(self, **row: Any) -> dict[str, str]:
-        full = {c: "" for c in COLUMNS}
-        full.update(self.env)
+        full = {c: "" for c in self.columns}
+        full.update({k: v for k, v in self.env.items() if k in full})
         for k, v in row.items():
             if k not in full:
                 raise KeyError(f"unknown CSV column {k!r}")
             full[k] = _fmt(v)
         self.rows.append(full)
-        self.ops_run.add((full["op"], full["dtype"]))
+        self.ops_run.add(self.key(full))
         return full
 
     def checkpoint(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        keep = [r for r in self.kept if (r.get("op"), r.get("dtype")) not in self.ops_run]
+        keep = [r for r in self.kept if self.key(r) not in self.ops_run]
         tmp = self.path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
             w.writeheader()
             for r in keep + self.rows:
-                w.writerow({c: r.get(c, "") for c in COLUMNS})
+                w.writerow({c: r.get(c, "") for c in self.columns})
         os.replace(tmp, self.path)
         if self.mirror is not None and self.mirror.resolve() != self.path.resolve():
             self.mirror.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots from the benchmark CSVs: per (op, mode, dtype), throughput vs shape for every provider, the ceiling measured
 in the same run as a dashed line and recorded anchors as dotted lines; below it, ours' speedup over each anchor as
-bars. The e2e CSV gets time and peak-memory bars per provider.
+bars. The e2e CSV gets time and peak-memory bars per provider; decode.csv ms per token per model, batch and cache.
 
     python benchmarks/plot.py benchmarks/results/nvidia-h200/sweep.csv         # PNGs next to the CSV
     python benchmarks/plot.py <csv> --out-dir <dir> --ops rms_norm,geglu_mlp
@@ -154,6 +154,55 @@ def plot_e2e(rows: list[dict[str, str]], op: str, out: Path) -> Path | None:
     return path
 
 
+def plot_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
+    """``decode.csv`` (benchmarks/decode.py): one panel per model, ms per decoded token for every (batch, cache) as
+    bars of the plain model and the kernelized one, the kernelized / plain speed ratio written over each pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and fnum(r.get("ms_per_token"))]
+    models = sorted({r["model"] for r in ok})
+    if not models:
+        return None
+    fig, axes = plt.subplots(len(models), 1, figsize=(9, 3.6 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        sub = [r for r in ok if r["model"] == model]
+        cells = sorted({(r["cache"], int(r["batch"])) for r in sub}, key=lambda c: (c[0] != "static", c[1]))
+        val = {(r["cache"], int(r["batch"]), r["provider"]): fnum(r["ms_per_token"]) for r in sub}
+        for i, (cache, batch) in enumerate(cells):
+            for k, prov in enumerate(("eager", "ours")):
+                v = val.get((cache, batch, prov))
+                if v is None:
+                    continue
+                color = _style(prov)[0]
+                ax.bar(i + (k - 0.5) * 0.38, v, width=0.36, color=color, alpha=0.9 if cache == "static" else 0.55,
+                       label=("plain" if prov == "eager" else "kernelized") if i == 0 else None)
+            e, o = val.get((cache, batch, "eager")), val.get((cache, batch, "ours"))
+            if e and o:
+                ax.annotate(f"{e / o:.3f}x", (i, max(e, o)), ha="center", va="bottom", fontsize=8,
+                            color="#2ca02c" if e / o >= 1.0 else "#d62728")
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{'static+compile' if c == 'static' else 'dynamic, eager'}\nB={b}" for c, b in cells],
+                           fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per decoded token (median)")
+        first = sub[0]
+        ax.set_title(f"{model}: {first.get('layers')} layers, hidden {first.get('hidden')}, {first.get('dtype')}, "
+                     f"{first.get('prompt_len')} + {first.get('new_tokens')} tokens · {first.get('device_name')}",
+                     fontsize=9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle("greedy generate(): kernelized vs plain (ratio = plain ms / kernelized ms; > 1 is faster)",
+                 fontsize=10)
+    fig.tight_layout()
+    path = out / "decode.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", type=Path)
@@ -170,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = read_rows(csv_path)
         out = args.out_dir or csv_path.parent
         out.mkdir(parents=True, exist_ok=True)
+        if rows and "ms_per_token" in rows[0]:  # benchmarks/decode.py's CSV
+            path = plot_decode(rows, out)
+            if path:
+                print(f"wrote {path}")
+            continue
         keys: dict[tuple[str, str, str], int] = defaultdict(int)
         for r in rows:
             if r.get("op") and r["op"] != "ceiling" and r.get("mode") and r.get("status") == "ok":

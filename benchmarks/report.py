@@ -47,11 +47,13 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 # `threads` (CPU targets): only rows measured with that many threads count.
 # ---------------------------------------------------------------------------------------------------------------
 
-RMS, ADDNORM, ACT, MLP, EPI, GEMM, E2E, CPU = (
+RMS, ADDNORM, ACT, MLP, EPI, GEMM, E2E, DECODE, CPU = (
     "RMSNorm", "Fused add and RMSNorm", "Gated activations", "GeGLU MLP", "GeGLU MLP, GEMM-epilogue kernels",
-    "addmm and Linear", "End to end", "CPU")
-GROUPS = (RMS, ADDNORM, ACT, MLP, EPI, GEMM, E2E, CPU)  # the order of docs/targets.md
+    "addmm and Linear", "End to end", "Decode and small shapes", "CPU")
+GROUPS = (RMS, ADDNORM, ACT, MLP, EPI, GEMM, E2E, DECODE, CPU)  # the order of docs/targets.md
 EPI_SHAPE = {"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)}  # benchmarks/epilogue.py's --quick shape
+DECODE_MODELS = (("llama3_2_1b", "Llama-3.2-1B"), ("gemma2b", "Gemma-2B"))
+GRAPH_TARGET_OPS = ("rms_norm", "add_rms_norm", "gemma_rms_norm", "geglu_act", "swiglu_act")
 TARGETS: list[dict[str, Any]] = [
     dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd",
          where={"M": (">=", 4096), "N": ("between", 2048, 65536)},
@@ -207,6 +209,41 @@ TARGETS: list[dict[str, Any]] = [
     dict(id="cpu-geglu", device="cpu", threads=2, op="geglu_act", mode="fwd", where={},
          check="vs_provider_ge", other="eager", threshold=2.0, unit="x",
          text="CPU (2 cores): geglu activation >= 2x eager PyTorch", group=CPU),
+    # Decode (benchmarks/decode.py, decode.csv: op decode_<model>, mode = cache, provider eager = the plain model; the
+    # ratio is the plain model's ms/token over the kernelized one's, same cell of the same run).
+    *(row for model, name in DECODE_MODELS for row in (
+        dict(id=f"decode-static-{model}", device="cuda", op=f"decode_{model}", mode="static",
+             where={"batch": ("in", (1, 16))}, check="vs_provider_ge", other="eager", threshold=1.05, unit="x",
+             text=f"decode, static cache + transformers' auto-compile (CUDA graphs), {name} shape, batch 1 and 16: "
+                  "kernelized >= 1.05x the same model compiled without kernels", group=DECODE),
+        dict(id=f"decode-static-any-{model}", device="cuda", op=f"decode_{model}", mode="static", where={},
+             check="vs_provider_ge", other="eager", threshold=1.0, unit="x",
+             text=f"same, {name}: never slower than the plain compiled model at any benchmarked batch", group=DECODE),
+        dict(id=f"decode-dynamic-{model}", device="cuda", op=f"decode_{model}", mode="dynamic", where={},
+             check="vs_provider_ge", other="eager", threshold=1.25, unit="x",
+             text=f"eager DynamicCache decode, {name} shape: kernelized >= 1.25x plain transformers, every batch",
+             group=DECODE),
+        dict(id=f"decode-dynamic-keep-{model}", device="cuda", op=f"decode_{model}", mode="dynamic", where={},
+             check="vs_provider_ge", other="eager", threshold=1.10, unit="x",
+             text=f"eager decode, {name} shape: kernelized >= 1.10x plain (met; keep)", group=DECODE))),
+    # Small shapes by CUDA-graph device time (sweep.py --modes fwd_graph): ours vs Inductor's code for the package's
+    # fp32 definition (*_reference), M/T in 1, 16, 64.
+    *(row for op in GRAPH_TARGET_OPS for row in (
+        dict(id=f"graph-{op}", device="cuda", op=op, mode="fwd_graph", where={}, check="vs_provider_ge",
+             other="inductor", threshold=1.0, unit="x",
+             text=f"{op} fwd, CUDA-graph device time, M/T 1..64: <= Inductor's code at every shape (required)",
+             group=DECODE),
+        dict(id=f"graph-{op}-goal", device="cuda", op=op, mode="fwd_graph", where={}, check="vs_provider_ge",
+             other="inductor", threshold=1.25, unit="x",
+             text=f"{op} fwd, same: <= 0.8x Inductor's time (goal; Inductor time / ours >= 1.25)", group=DECODE))),
+    dict(id="graph-rms-m1", device="cuda", op="rms_norm", mode="fwd_graph", where={"M": ("==", 1), "N": ("<=", 4096)},
+         check="all_le", column="time_p50_ms", threshold=0.002, unit="ms",
+         text="rms_norm M=1, N <= 4096, CUDA-graph device time: <= 2.0 us", group=DECODE),
+    # Prefill of the e2e stacks (benchmarks/e2e.py --providers ...,torch.compile,ours+torch.compile), both compiled.
+    *(dict(id=f"e2e-prefill-compiled-{op}", device="cuda", op=op, mode="prefill", provider="ours+torch.compile",
+           where={}, check="vs_provider_ge", other="torch.compile", threshold=1.10, unit="x",
+           text=f"prefill under torch.compile, {op}: kernelized and compiled >= 1.10x the plain compiled stack",
+           group=DECODE) for op in ("e2e_gemma2b", "e2e_llama3_8b")),
 ]
 
 
@@ -359,13 +396,50 @@ def _metric_col(rows: Iterable[dict[str, str]]) -> str:
     return "gbps"
 
 
+def decode_tables(rows: list[dict[str, str]]) -> list[str]:
+    """decode.csv: per device and model, ms per decoded token of the plain and the kernelized model for every (cache,
+    batch), their ratio, the kernelized model's token agreement with the plain one (and the plain model's own
+    static-vs-dynamic agreement, the scale to read it against), compile time and graph breaks / CUDA-graph skips."""
+    cells: dict[tuple[str, str], dict[tuple[str, int], dict[str, dict[str, str]]]] = defaultdict(dict)
+    for r in rows:
+        if "ms_per_token" in r and r.get("status") == "ok" and r.get("model"):
+            cells[(r["device_name"], r["model"])].setdefault((r["cache"], int(r["batch"])), {})[r["provider"]] = r
+    out: list[str] = []
+    for (dev, model), by_cell in sorted(cells.items()):
+        first = next(iter(next(iter(by_cell.values())).values()))
+        out += [f"**decode · {model}** ({first.get('layers')} layers, hidden {first.get('hidden')}, intermediate "
+                f"{first.get('intermediate')}, vocab {first.get('vocab')}; {first.get('dtype')}; "
+                f"{first.get('prompt_len')}-token prompt, greedy, ms/token over {first.get('new_tokens')} new tokens, "
+                f"{first.get('rounds')} interleaved rounds) · {dev}", "",
+                "| cache | batch | plain ms/token | kernelized ms/token | kernelized vs plain | tokens equal to plain "
+                "| plain: static vs dynamic tokens | compile s plain / kernelized | graph breaks / CUDA-graph skips |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for (cache, batch), by in sorted(by_cell.items(), key=lambda kv: (kv[0][0] != "static", kv[0][1])):
+            e, o = by.get("eager", {}), by.get("ours", {})
+            fe, fo = fnum(e.get("ms_per_token")), fnum(o.get("ms_per_token"))
+
+            def num(v: float | None, fmt: str) -> str:
+                return "" if v is None else format(v, fmt)
+
+            label = "static + compile" if cache == "static" else "dynamic (eager)"
+            comp = " / ".join(num(fnum(x.get("compile_s")), ".1f") or "-" for x in (e, o)) if cache == "static" else ""
+            flags = " / ".join(str(int(fnum(o.get(k)) or 0)) for k in ("graph_breaks", "cudagraph_skips")) if o else ""
+            ratio = f"{fe / fo:.3f}x" if fe and fo else ""
+            agree = num(fnum(o.get("tokens_equal")), ".0%")
+            plain_agree = num(fnum(e.get("tokens_equal_vs_dynamic")), ".0%")
+            out.append(f"| {label} | {batch} | {num(fe, '.3f')} | {num(fo, '.3f')} | {ratio} | {agree} | "
+                       f"{plain_agree} | {comp} | {flags} |")
+        out.append("")
+    return out
+
+
 def op_tables(rows: list[dict[str, str]], *, max_shapes: int | None) -> list[str]:
     """One markdown table per (device, op, dtype, mode): shapes x providers, median time (throughput)."""
     out: list[str] = []
     groups: dict[tuple[str, str, str, str], list[dict[str, str]]] = defaultdict(list)
     for r in rows:
-        if r.get("op") in ("ceiling", "") or not r.get("mode") or not r.get("shape"):
-            continue
+        if r.get("op") in ("ceiling", "") or not r.get("mode") or not r.get("shape") or "ms_per_token" in r:
+            continue  # decode.csv rows have their own table (decode_tables)
         groups[(r["device_name"], r["op"], r["dtype"], r["mode"])].append(r)
     mode_order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2, "train_step": 3, "prefill": 4}
     for (dev, op, dtype, mode), grp in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
@@ -482,6 +556,9 @@ def render(rows: list[dict[str, str]], *, max_shapes: int | None, tables: bool =
     summary = summary_table(rows)
     if summary:
         lines += ["", "### Summary", ""] + summary
+    decode = decode_tables(rows)
+    if decode:
+        lines += ["", "### Decode (generate)", ""] + decode
     if tables:
         lines += ["", "### Per op", ""]
         lines += op_tables(rows, max_shapes=max_shapes)

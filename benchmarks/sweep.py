@@ -6,6 +6,7 @@
     python benchmarks/sweep.py --quick                 # the target shapes only (~1.5 minutes on an H200)
     python benchmarks/sweep.py --ops rms_norm,add_rms_norm --providers ours,liger --modes fwd
     python benchmarks/sweep.py --device cpu            # CPU mode (CPU variant, CPU-sized shapes)
+    python benchmarks/sweep.py --modes fwd_graph       # CUDA-graph device time at decode sizes (~2 minutes)
 
 Writes ``<results-root>/<device-slug>/sweep.csv`` (long format, see ``bench_lib.COLUMNS``), rewritten after every
 shape; rows of ops not measured in this run are kept, so one op can be rerun alone. When ``$OUT`` is set (the GPU
@@ -57,6 +58,7 @@ from bench_lib import (  # noqa: E402
     Timer,
     Timing,
     collect_env,
+    cuda_graph_time,
     describe_exception,
     device_slug,
     load_kernel,
@@ -816,6 +818,166 @@ OPS: dict[str, OpSpec] = {op.name: op for op in (RMS_OP, ADD_OP, GEMMA_OP, _act_
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# fwd_graph: device time of one inference forward at decode sizes, by CUDA-graph replay
+# ---------------------------------------------------------------------------------------------------------------
+# A decode step is latency-bound: per-call host overhead hides the kernels in do_bench. Here each provider's forward
+# (no autograd) is captured 20 times in one CUDA graph and replayed (bench_lib.cuda_graph_time), so only device time
+# counts, as in a CUDA-graphed decode step (transformers' static cache + torch.compile). Providers: ours (the layer
+# forward kernelize installs, or the functional op), Inductor's code for the package's own fp32 definition
+# (``*_reference``: fp32 math, one rounding; torch.compile default mode, static shapes, no CUDA graphs of its own)
+# and torch.nn.RMSNorm where it applies (plain rms_norm). Rows: mode "fwd_graph"; they merge into sweep.csv
+# separately from the fwd / fwd+bwd rows of the same op.
+
+GRAPH_MODE = "fwd_graph"
+GRAPH_M = (1, 16, 64)
+GRAPH_N = (2048, 4096, 8192)
+GRAPH_I = (2048, 4096, 8192, 16384)  # + Gemma-2B's 16384 for the activations
+GRAPH_CALLS, GRAPH_ROUNDS = 20, 50
+_GRAPH_FM: types.ModuleType | None = None  # the loaded kernel, whose *_reference definitions Inductor compiles
+
+
+def _ref_rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _GRAPH_FM.rms_norm_reference(x, w, EPS)
+
+
+def _ref_gemma(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _GRAPH_FM.rms_norm_reference(x, w, EPS, offset=1.0)
+
+
+def _ref_add(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _GRAPH_FM.rms_norm_reference(x, w, EPS, residual=r)
+
+
+def _ref_geglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _GRAPH_FM.geglu_reference(g, u, approximate="tanh")
+
+
+def _ref_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _GRAPH_FM.swiglu_reference(g, u)
+
+
+def _graph_inductor(fn: Callable[..., Any], names: Sequence[str]) -> Callable[[Ctx, Case], Bound]:
+    def make(ctx: Ctx, case: Case) -> Bound:
+        args = [case.inputs["mod"].weight if n == "mod.weight" else case.inputs[n] for n in names]
+        cfn = torch.compile(fn, dynamic=False)
+        return Bound(lambda: cfn(*args))
+
+    return make
+
+
+def _rms_shapes_graph(ctx: Ctx) -> list[dict[str, int]]:
+    return [{"M": m, "N": n} for m in GRAPH_M for n in GRAPH_N]
+
+
+def _act_shapes_graph(ctx: Ctx) -> list[dict[str, int]]:
+    return [{"T": t, "I": i} for t in GRAPH_M for i in GRAPH_I]
+
+
+# op -> (shapes, providers); the cases are the sweep's own (make_case of the op)
+GRAPH_OPS: dict[str, tuple[Callable[[Ctx], list[dict[str, int]]], list[Provider]]] = {
+    "rms_norm": (_rms_shapes_graph, [Provider("ours", "ours", _rms_ours),
+                                     Provider("inductor", "anchor", _graph_inductor(_ref_rms, ("x", "mod.weight"))),
+                                     Provider("torch.nn.RMSNorm", "anchor", _rms_torch_nn)]),
+    "add_rms_norm": (_rms_shapes_graph, [Provider("ours", "ours", _add_ours),
+                                         Provider("inductor", "anchor", _graph_inductor(_ref_add, ("x", "r", "w")))]),
+    "gemma_rms_norm": (_rms_shapes_graph,
+                       [Provider("ours", "ours", _rms_ours),
+                        Provider("inductor", "anchor", _graph_inductor(_ref_gemma, ("x", "mod.weight")))]),
+    "geglu_act": (_act_shapes_graph, [Provider("ours", "ours", _act_ours("geglu")),
+                                      Provider("inductor", "anchor", _graph_inductor(_ref_geglu, ("gate", "up")))]),
+    "swiglu_act": (_act_shapes_graph, [Provider("ours", "ours", _act_ours("swiglu")),
+                                       Provider("inductor", "anchor", _graph_inductor(_ref_swiglu, ("gate", "up")))]),
+}
+
+
+def sweep_row_key(row: dict[str, str]) -> tuple[str, ...]:
+    """ResultWriter merge key: (op, dtype), with the fwd_graph rows of an op a family of their own."""
+    return (row.get("op", ""), row.get("dtype", ""), "graph" if row.get("mode") == GRAPH_MODE else "")
+
+
+def _run_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.Tensor) -> dict[str, Any]:
+    base = dict(op=op.name, provider=prov.name, role=prov.role, source="measured", mode=GRAPH_MODE,
+                dtype=ctx.dtype_name, shape=shape_str(case.shape), **_shape_fields(case.shape),
+                note=f"CUDA graph of {GRAPH_CALLS} calls, {GRAPH_ROUNDS} replays; inference (no autograd)")
+    try:
+        with torch.no_grad():
+            bound = prov.make(ctx, case)
+            t0 = time.perf_counter()
+            out = bound.fwd()  # compilation (inductor) happens here, outside the graph
+            synchronize(ctx.device)
+            compile_s = time.perf_counter() - t0
+            err = max_abs_err(_first(out), ref)
+            del out
+            t = cuda_graph_time(bound.fwd, calls=GRAPH_CALLS, rounds=GRAPH_ROUNDS)
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        return dict(base, status=f"error: {describe_exception(e)}")
+    fields = _metric_fields(ctx, op, case, "fwd", t)
+    if math.isnan(fields.get("ceiling_value", math.nan)):  # a fwd_graph-only run measures no ceiling
+        for k in ("ceiling", "ceiling_value", "pct_of_ceiling"):
+            fields.pop(k, None)
+    return dict(base, status="ok", max_err=err, compile_s=compile_s if prov.name == "inductor" else None, **fields)
+
+
+def run_graph_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
+    """The fwd_graph rows of one op (see above)."""
+    global _GRAPH_FM
+    writer = ctx.writer
+    deadline = budget.deadline_for(f"{op.name}:{ctx.dtype_name}:graph")
+    if not ctx.on_gpu:
+        writer.add(op=op.name, provider="*", source="measured", mode=GRAPH_MODE, dtype=ctx.dtype_name,
+                   status="skipped: fwd_graph replays CUDA graphs (needs a GPU)")
+        return
+    reason = op.needs(ctx.fm) or _has(ctx.fm, "rms_norm_reference", "geglu_reference", "swiglu_reference")
+    if reason:
+        writer.add(op=op.name, provider="*", source="measured", mode=GRAPH_MODE, dtype=ctx.dtype_name,
+                   status=f"skipped: {reason}")
+        return
+    _GRAPH_FM = ctx.fm
+    shapes_fn, providers = GRAPH_OPS[op.name]
+    wanted = set(ctx.args.providers.split(",")) if ctx.args.providers else None
+    providers = [p for p in providers if wanted is None or p.name in wanted]
+    shapes = shapes_fn(ctx)
+    if ctx.args.max_shapes:
+        shapes = shapes[: ctx.args.max_shapes]
+    log(f"[{op.name} {ctx.dtype_name}] {GRAPH_MODE}: {len(shapes)} shapes x {[p.name for p in providers]}; "
+        f"{max(deadline - time.monotonic(), 0):.0f} s budget")
+    for idx, shape in enumerate(shapes):
+        if time.monotonic() > deadline:
+            for rest in shapes[idx:]:
+                writer.add(op=op.name, provider="*", source="measured", mode=GRAPH_MODE, dtype=ctx.dtype_name,
+                           shape=shape_str(rest), **_shape_fields(rest), status="skipped: op time budget spent")
+            log(f"[{op.name}] {GRAPH_MODE}: time budget spent, {len(shapes) - idx} shapes skipped")
+            break
+        t_shape = time.perf_counter()
+        torch.manual_seed(0)
+        try:
+            case = op.make_case(ctx, shape)
+            with torch.no_grad():
+                ref = case.reference()
+                eager_err = max_abs_err(_first(case.eager()), ref)
+        except Exception as e:  # noqa: BLE001
+            writer.add(op=op.name, provider="*", source="measured", mode=GRAPH_MODE, dtype=ctx.dtype_name,
+                       shape=shape_str(shape), **_shape_fields(shape), status=f"error: {describe_exception(e)}")
+            _free(ctx)
+            continue
+        rows = [_run_graph_provider(ctx, op, case, p, ref) for p in providers]
+        for r in rows:
+            r["max_err_eager"] = eager_err
+            if r["role"] == "ours" and r.get("max_err") is not None:
+                r["verified"] = two_x_rule(r["max_err"], eager_err, ctx.dtype)
+        _speedups(rows)
+        for r in rows:
+            writer.add(**r)
+        writer.checkpoint()
+        parts = " ".join(f"{r['provider']}={r['time_p50_ms'] * 1e3:.2f}us" if r.get("time_p50_ms") else
+                         f"{r['provider']}:{r['status'][:60]}" for r in rows)
+        log(f"[{op.name}] {GRAPH_MODE} {shape_str(shape)} ({time.perf_counter() - t_shape:.1f} s) | {parts}")
+        del case, ref
+        _free(ctx)
+    writer.checkpoint()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Running one op
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -1079,7 +1241,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of ops (default: all): {', '.join(OPS)}")
     p.add_argument("--providers", default="", help="comma list of providers to run (default: all available)")
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma list of measured modes; bwd is derived when "
-                   "both fwd and fwd+bwd run (default: fwd,fwd+bwd)")
+                   "both fwd and fwd+bwd run (default: fwd,fwd+bwd); fwd_graph: CUDA-graph device time at decode "
+                   "sizes (M/T 1, 16, 64) for rms_norm, add_rms_norm, gemma_rms_norm, geglu_act, swiglu_act")
     p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32 (default GPU bf16; CPU fp32,bf16)")
     p.add_argument("--cpu-half-gemm", action="store_true", help="also run the GEMM ops in bf16/fp16 on the CPU "
                    "(off by default: without bf16 matrix hardware a bf16 GEMM runs at well under 1 GFLOP/s)")
@@ -1110,9 +1273,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "time estimate for an H200, then exit")
     args = p.parse_args(argv)
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    bad = [m for m in args.modes if m not in ("fwd", "fwd+bwd")]
+    bad = [m for m in args.modes if m not in ("fwd", "fwd+bwd", GRAPH_MODE)]
     if bad:
-        p.error(f"--modes takes fwd and/or fwd+bwd (bwd is derived), got {bad}")
+        p.error(f"--modes takes fwd, fwd+bwd (bwd is derived) and {GRAPH_MODE}, got {bad}")
     unknown = [o for o in args.ops.split(",") if o and o not in OPS]
     if unknown:
         p.error(f"unknown ops {unknown}; known: {', '.join(OPS)}")
@@ -1124,6 +1287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 _EST_COPY_GBPS, _EST_GEMM_TFLOPS = 4200.0, 700.0
 _EST_EFFICIENCY = {"eager": 0.1, "torch.nn.RMSNorm": 0.6}
 _EST_COMPILE_S, _EST_LIGER_JIT_S, _EST_STARTUP_S = 3.5, 1.5, 20.0
+_EST_COMPILE_S_GRAPH = 1.5  # one static-shape Inductor graph of a norm / activation
 
 
 def dry_run(args: argparse.Namespace, device: str, warmup: float, rep: float) -> int:
@@ -1132,7 +1296,7 @@ def dry_run(args: argparse.Namespace, device: str, warmup: float, rep: float) ->
               timer=Timer(device), ceilings=Ceilings(_EST_COPY_GBPS, {}), writer=None, args=args)  # type: ignore
     total_s, total_meas = _EST_STARTUP_S, 0
     wanted = set(args.providers.split(",")) if args.providers else None
-    for name in args.ops.split(","):
+    for name in args.ops.split(",") if any(m != GRAPH_MODE for m in args.modes) else []:
         op = OPS[name]
         shapes = op.quick_shapes(ctx) if args.quick else op.shapes(ctx)
         if args.max_shapes:
@@ -1167,6 +1331,18 @@ def dry_run(args: argparse.Namespace, device: str, warmup: float, rep: float) ->
         total_s += op_s
         print(f"{name:15s} {len(shapes):3d} shapes x {len(provs)} providers x {len(modes)} modes; "
               f"{len(keys)} compile graphs; ~{op_s:5.0f} s")
+    if GRAPH_MODE in args.modes:
+        for name in args.ops.split(","):
+            if name not in GRAPH_OPS:
+                continue
+            shapes_fn, provs = GRAPH_OPS[name]
+            shapes = shapes_fn(ctx)[: args.max_shapes or None]
+            n_prov = len([p for p in provs if wanted is None or p.name in wanted])
+            op_s = len(shapes) * (n_prov * 0.3 + _EST_COMPILE_S_GRAPH)
+            total_s += op_s
+            total_meas += len(shapes) * n_prov
+            print(f"{name:15s} {len(shapes):3d} shapes x {n_prov} providers x {GRAPH_MODE}; {len(shapes)} compile "
+                  f"graphs; ~{op_s:5.0f} s")
     print(f"total: {total_meas} measurements, ~{total_s:.0f} s estimated without the budget "
           f"(the run stops measuring at --budget-s={args.budget_s:.0f} s plus startup)")
     return 0
@@ -1226,15 +1402,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer.checkpoint()
         log(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s; GEMM " +
             ", ".join(f"{d} {v:.2f} TFLOP/s" for d, v in ceilings.gemm_tflops.items()))
-    budget = Budget(args.budget_s - (time.monotonic() - t_start),
-                    {f"{op.name}:{d}": op.weight for d in dtypes for op in ops})
+    plain_modes = [m for m in args.modes if m != GRAPH_MODE]
+    graph_ops = [op for op in ops if GRAPH_MODE in args.modes and op.name in GRAPH_OPS]
+    weights = {f"{op.name}:{d}": op.weight for d in dtypes for op in ops if plain_modes}
+    weights.update({f"{op.name}:{d}:graph": 0.2 for d in dtypes for op in graph_ops})
+    budget = Budget(args.budget_s - (time.monotonic() - t_start), weights)
     for dname in dtypes:
         ctx = Ctx(device=device, dtype=DTYPES[dname], dtype_name=dname, fm=fm, timer=timer, ceilings=ceilings,
                   writer=writer, args=args)
         for op in ops:
             t_op = time.monotonic()
             try:
-                run_op(ctx, op, budget)
+                if plain_modes:
+                    run_op(ctx, op, budget)
+                if op in graph_ops:
+                    run_graph_op(ctx, op, budget)
             except Exception as e:  # noqa: BLE001 - one op's failure never loses the others' rows
                 log(f"[{op.name} {dname}] FAILED: {describe_exception(e)}")
                 writer.add(op=op.name, provider="*", source="measured", dtype=dname,
