@@ -44,7 +44,10 @@
           "-> (Tensor, Tensor, Tensor)");                                                                        \
   ops.def("gated_gemm_bwd_(Tensor dy, Tensor w_down, Tensor(a!) gate, Tensor(b!) up, str activation) -> Tensor"); \
   ops.def("gated_gemm_fwd_slopes(Tensor x, Tensor w_gate, Tensor w_up, str activation) -> (Tensor, Tensor, Tensor)"); \
-  ops.def("gated_gemm_bwd_slopes_(Tensor dy, Tensor w_down, Tensor(a!) p, Tensor(b!) q) -> ()")
+  ops.def("gated_gemm_bwd_slopes_(Tensor dy, Tensor w_down, Tensor(a!) p, Tensor(b!) q) -> ()");             \
+  /* The gated MLP forward at decode sizes, one op of two GEMV-class kernels (CUDA sm_80+; kernels_src/cuda/    \
+     gated_gemv.cu): x [T <= 64, H], w_gate / w_up [I, H], w_down [H_out, I], 16-bit, no biases. */             \
+  ops.def("gated_mlp_decode(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, str activation) -> Tensor")
 
 #if defined(FUSED_MLP_STABLE_ABI)
 
@@ -76,6 +79,7 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("gated_gemm_bwd_", TORCH_BOX(&gated_gemm_bwd_cuda));
   ops.impl("gated_gemm_fwd_slopes", TORCH_BOX(&gated_gemm_fwd_slopes_cuda));
   ops.impl("gated_gemm_bwd_slopes_", TORCH_BOX(&gated_gemm_bwd_slopes_cuda));
+  ops.impl("gated_mlp_decode", TORCH_BOX(&gated_mlp_decode_cuda));
 }
 #endif
 
@@ -125,6 +129,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("gated_gemm_bwd_", c10::kCUDA, &gated_gemm_bwd_cuda);
   ops.impl("gated_gemm_fwd_slopes", c10::kCUDA, &gated_gemm_fwd_slopes_cuda);
   ops.impl("gated_gemm_bwd_slopes_", c10::kCUDA, &gated_gemm_bwd_slopes_cuda);
+  ops.impl("gated_mlp_decode", c10::kCUDA, &gated_mlp_decode_cuda);
 #endif
 }
 

@@ -99,4 +99,8 @@ Tensor gated_gemm_bwd_cuda(const Tensor& dy, const Tensor& w_down, const Tensor&
 std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_slopes_cuda(const Tensor& x, const Tensor& w_gate,
                                                               const Tensor& w_up, StrArg activation);
 void gated_gemm_bwd_slopes_cuda(const Tensor& dy, const Tensor& w_down, const Tensor& p, const Tensor& q);
+// The whole gated MLP at decode sizes (gated_gemv.cu): y = down(act(x w_gate^T) * (x w_up^T)), x [T, H] with
+// T <= 64, w_gate / w_up [I, H], w_down [H_out, I], one 16-bit dtype, contiguous, no biases; returns y [T, H_out].
+Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
+                             StrArg activation);
 #endif

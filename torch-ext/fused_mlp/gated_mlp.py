@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _epilogue
+from . import _decode, _epilogue
 from ._common import GATED_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._ops import add_op_namespace_prefix, ops
 from .geglu import activation_fn, gated_act
@@ -175,6 +175,11 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
         y = _GatedMLPFunction.apply(x.reshape(-1, x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down, b_down,
                                     activation)
         return y.view(*lead, y.shape[-1])
+    if autocast is None and _decode.use_decode(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        # decode sizes (few tokens): the whole MLP as one op of two GEMV-class kernels (x is contiguous: a view)
+        lead = x.shape[:-1]
+        y = ops.gated_mlp_decode(x.view(lead.numel(), x.shape[-1]), w_gate, w_up, w_down, activation)
+        return y.view(*lead, w_down.shape[0])
     # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
     # Under autocast, F.linear casts its operands itself (with autocast's weight-cast cache), as in the module.
     if autocast is None and _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up):

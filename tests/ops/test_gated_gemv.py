@@ -1,0 +1,397 @@
+"""The gated MLP's decode-class forward (kernels_src/cuda/gated_gemv.cu, op ``gated_mlp_decode``; dispatch in
+``_decode.py``): the op against the fp32 reference (2x rule) at every token class and its edges (T = 1..64), model
+shapes and awkward ones (K tails, row tails, H_out != H), every activation, bf16 and fp16; the tuning overrides and
+PDL; NaN/Inf; ``gated_mlp`` through it (3-D x, torch.compile); opcheck; the op's argument errors; and the dispatch:
+which calls take the op, symbolic token counts never (and no guard added), the env override.
+
+The kernels need an sm_80+ GPU: those tests skip elsewhere (CI has no GPU); the dispatch tests that need no kernel
+run on the CPU too."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _utils import assert_2x_rule
+from conftest import CUDA
+
+SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
+needs_gpu = pytest.mark.skipif(not SM80, reason="the decode MLP kernels need an sm_80+ GPU (GPU machine only)")
+ACTS = ["gelu_tanh", "gelu", "silu"]
+DTYPES = [torch.bfloat16, torch.float16]
+# Every token class (n8-tiles 1, 2, 4, 8) at and around its edges.
+TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64]
+# (H, I, H_out): Gemma-2B, Llama-3.2-1B, Llama-3-8B, a 3072-wide model; then H and I with a K tail (8 past a multiple
+# of 32) and a row tail (8 past a multiple of 16) in both passes; and small ones: K shorter than one chunk, fewer
+# chunks than warps, H_out below one row tile and not a multiple of 16.
+SHAPES = [(2048, 16384, 2048), (2048, 8192, 2048), (4096, 14336, 4096), (3072, 8192, 3072), (2056, 5128, 2056),
+          (8, 8, 8), (64, 160, 40), (136, 520, 24)]
+ENV = "FUSED_MLP_DECODE_MLP"
+TUNE = "FUSED_MLP_DECODE_TUNE"
+
+
+def act_fn(act: str):
+    return {"gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}[act]
+
+
+@functools.lru_cache(maxsize=2)
+def weights(h: int, i: int, h_out: int, dtype: torch.dtype):
+    """(w_gate, w_up, w_down) in `dtype` and their fp32 copies (cached: the large shapes cost 0.1-0.7 GB)."""
+    g = torch.Generator(device="cuda").manual_seed(h * 7919 + i * 31 + h_out)
+    wg = (torch.randn(i, h, device="cuda", generator=g) * h ** -0.5).to(dtype)
+    wu = (torch.randn(i, h, device="cuda", generator=g) * h ** -0.5).to(dtype)
+    wd = (torch.randn(h_out, i, device="cuda", generator=g) * max(i, 1) ** -0.5).to(dtype)
+    return (wg, wu, wd), tuple(w.float() for w in (wg, wu, wd))
+
+
+def tokens(t: int, h: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(t, h, device="cuda", generator=g).to(dtype)
+
+
+def ref32(x: torch.Tensor, w32, act: str) -> torch.Tensor:
+    xf = x.float()
+    return F.linear(act_fn(act)(F.linear(xf, w32[0])) * F.linear(xf, w32[1]), w32[2])
+
+
+def same_dtype(x: torch.Tensor, w, act: str) -> torch.Tensor:
+    return F.linear(act_fn(act)(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
+
+
+def shape_id(s) -> str:
+    return "x".join(map(str, s))
+
+
+# ---- the op -------------------------------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_op_matches_reference_at_every_token_count(fm, monkeypatch, shape, dtype, act):
+    monkeypatch.delenv(TUNE, raising=False)
+    h, i, h_out = shape
+    w, w32 = weights(h, i, h_out, dtype)
+    x = tokens(64, h, dtype, seed=h + i)
+    r32, same = ref32(x, w32, act), same_dtype(x, w, act)  # rows are independent: slices are the T-row results
+    for t in TOKENS:
+        y = fm._ops.ops.gated_mlp_decode(x[:t], *w, act)
+        assert y.shape == (t, h_out) and y.dtype == dtype and y.is_contiguous()
+        assert_2x_rule(y, r32[:t], same[:t], name=f"y (T={t})")
+    again = fm._ops.ops.gated_mlp_decode(x[:17], *w, act)
+    assert torch.equal(again, fm._ops.ops.gated_mlp_decode(x[:17], *w, act)), "not bitwise reproducible"
+
+
+# FUSED_MLP_DECODE_TUNE settings that change how the work is split (other summation orders, the reduction paths each
+# setting skips or takes), and PDL (the same kernels launched with a programmatic dependency: bitwise the same y).
+TUNINGS = ["gu_wk=1,dn_wk=1,dn_ks=1", "gu_wr=2,gu_wk=4,dn_wr=2,dn_wk=4,dn_ks=3", "gu_wr=8,gu_wk=1,dn_wk=8,dn_ks=8",
+           "dn_ks=5,dn_wk=2", "gu_wr=4,gu_wk=2,dn_wr=4,dn_wk=2,dn_ks=2"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(2056, 5128, 2056), (136, 520, 24)], ids=shape_id)
+def test_tuning_overrides_and_pdl(fm, monkeypatch, shape):
+    h, i, h_out = shape
+    dtype, act = torch.bfloat16, "silu"
+    w, w32 = weights(h, i, h_out, dtype)
+    x = tokens(64, h, dtype, seed=5)
+    r32, same = ref32(x, w32, act), same_dtype(x, w, act)
+    for t in (1, 9, 17, 33, 64):
+        monkeypatch.delenv(TUNE, raising=False)
+        base = fm._ops.ops.gated_mlp_decode(x[:t], *w, act)
+        monkeypatch.setenv(TUNE, "pdl=1")
+        assert torch.equal(fm._ops.ops.gated_mlp_decode(x[:t], *w, act), base), f"PDL changed y (T={t})"
+        for tune in TUNINGS:
+            monkeypatch.setenv(TUNE, tune)
+            y = fm._ops.ops.gated_mlp_decode(x[:t], *w, act)
+            assert_2x_rule(y, r32[:t], same[:t], name=f"y (T={t}, {tune})")
+            monkeypatch.setenv(TUNE, tune + ",pdl=1")
+            assert torch.equal(fm._ops.ops.gated_mlp_decode(x[:t], *w, act), y), f"PDL changed y (T={t}, {tune})"
+
+
+@needs_gpu
+def test_tuning_override_is_checked(fm, monkeypatch):
+    w, _ = weights(64, 160, 40, torch.bfloat16)
+    x = tokens(4, 64, torch.bfloat16)
+    for bad, match in (("gu_wk", "key=value"), ("dn_ks=-1", "integer"), ("colour=2", "unknown key"),
+                       ("gu_wr=4,gu_wk=4", "at most")):
+        monkeypatch.setenv(TUNE, bad)
+        with pytest.raises(RuntimeError, match=match):
+            fm._ops.ops.gated_mlp_decode(x, *w, "silu")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_and_inf_propagate(fm, monkeypatch, dtype):
+    """A NaN token gives a NaN row; an Inf weight of w_down gives +-Inf in its output column (the sign of h) for the
+    other tokens; an Inf in w_gate's row 3 gives NaN or +-Inf gates there, which reach every output of the tokens
+    concerned. Patterns as in the fp32 reference."""
+    monkeypatch.delenv(TUNE, raising=False)
+    h, i = 2056, 5128
+    (wg, wu, wd), _ = weights(h, i, h, dtype)
+    wd = wd.clone()
+    wd[5, 7] = float("inf")
+    w = (wg, wu, wd)
+    w32 = tuple(t.float() for t in w)
+    for t in (1, 5, 16, 40):
+        x = tokens(t, h, dtype, seed=t)
+        if t > 1:
+            x[1, 100] = float("nan")
+        y = fm._ops.ops.gated_mlp_decode(x, *w, "gelu_tanh")
+        r = ref32(x, w32, "gelu_tanh")
+        assert bool(torch.isinf(r[[k for k in range(t) if k != 1], 5]).all())  # the case is what it says
+        assert_2x_rule(y, r, same_dtype(x, w, "gelu_tanh"), name=f"y (T={t})")
+    wg = wg.clone()
+    wg[3, 11] = float("-inf")
+    x = tokens(9, h, dtype, seed=9)
+    y = fm._ops.ops.gated_mlp_decode(x, wg, wu, wd, "silu")
+    r = ref32(x, (wg.float(), wu.float(), wd.float()), "silu")
+    assert torch.equal(torch.isnan(y), torch.isnan(r)) and torch.equal(torch.isinf(y), torch.isinf(r))
+
+
+@needs_gpu
+def test_empty_and_degenerate_sizes(fm):
+    w, _ = weights(64, 160, 40, torch.bfloat16)
+    y = fm._ops.ops.gated_mlp_decode(tokens(0, 64, torch.bfloat16), *w, "gelu")
+    assert y.shape == (0, 40)
+    x = tokens(3, 64, torch.bfloat16)
+    no_i = [torch.empty(0, 64, device="cuda", dtype=torch.bfloat16)] * 2 + [
+        torch.empty(40, 0, device="cuda", dtype=torch.bfloat16)]
+    assert torch.equal(fm._ops.ops.gated_mlp_decode(x, *no_i, "gelu"), torch.zeros(3, 40, device="cuda",
+                                                                                    dtype=torch.bfloat16))
+    no_h = [torch.empty(160, 0, device="cuda", dtype=torch.bfloat16)] * 2 + [w[2]]
+    assert torch.equal(fm._ops.ops.gated_mlp_decode(x[:, :0], *no_h, "gelu"),  # act(0) * 0 = 0
+                       torch.zeros(3, 40, device="cuda", dtype=torch.bfloat16))
+
+
+@needs_gpu
+def test_op_checks_its_arguments(fm, monkeypatch):
+    """RuntimeError naming the argument, raised by the op before it launches anything."""
+    monkeypatch.delenv(TUNE, raising=False)
+    op = fm._ops.ops.gated_mlp_decode
+    (wg, wu, wd), _ = weights(64, 160, 40, torch.bfloat16)
+    x = tokens(4, 64, torch.bfloat16)
+    cases = [
+        ((x.float(), wg, wu, wd, "silu"), "x must be bfloat16 or float16"),
+        ((x, wg.half(), wu, wd, "silu"), "w_gate must have x's dtype"),
+        ((x, wg, wu.half(), wd, "silu"), "w_up must have x's dtype"),
+        ((x, wg, wu, wd.half(), "silu"), "w_down must have x's dtype"),
+        ((x, wg[:, :56].contiguous(), wu, wd, "silu"), "w_gate must be \\[I, H\\]"),
+        ((x, wg, wu[:152].contiguous(), wd, "silu"), "w_up must have w_gate's shape"),
+        ((x, wg, wu, wd[:, :152].contiguous(), "silu"), "w_down must be \\[H_out, I\\]"),
+        ((x, wg.cpu(), wu, wd, "silu"), "w_gate must be a CUDA tensor"),
+        ((x, wg, wu, wd.cpu(), "silu"), "w_down must be a CUDA tensor"),
+        ((x, wg.t().contiguous().t(), wu, wd, "silu"), "w_gate must be contiguous"),
+        ((x, wg, wu, wd[:, ::2], "silu"), "w_down must be contiguous"),
+        ((x[None], wg, wu, wd, "silu"), "x must be 2-D"),
+        ((tokens(65, 64, torch.bfloat16), wg, wu, wd, "silu"), "at most 64"),
+        ((x, wg, wu, wd, "relu"), "activation"),
+    ]
+    x60 = tokens(4, 60, torch.bfloat16)
+    w60 = torch.randn(160, 60, device="cuda", dtype=torch.bfloat16)
+    cases.append(((x60, w60, w60, wd, "silu"), "multiples of 8"))
+    buf = torch.zeros(4 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    cases.append(((buf[1:].view(4, 64), wg, wu, wd, "silu"), "x must be 16-byte aligned"))
+    if torch.cuda.device_count() > 1:
+        cases.append(((x, wg.to("cuda:1"), wu, wd, "silu"), "w_gate must be on cuda:0"))
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            op(*args)
+
+
+@needs_gpu
+def test_opcheck(fm):
+    (wg, wu, wd), _ = weights(136, 520, 24, torch.bfloat16)
+    for t, act in ((1, "gelu_tanh"), (13, "gelu"), (40, "silu")):
+        torch.library.opcheck(fm._ops.ops.gated_mlp_decode, (tokens(t, 136, torch.bfloat16), wg, wu, wd, act))
+
+
+# ---- gated_mlp through it ------------------------------------------------------------------------------------------
+
+
+def spy_ops(fm, monkeypatch) -> list[str]:
+    """Record the ops gated_mlp (geglu.py) calls, by name."""
+    import sys
+
+    mod = sys.modules[fm._decode.__name__.rsplit(".", 1)[0] + ".geglu"]
+    real, called = mod.ops, []
+
+    class Recorder:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(mod, "ops", Recorder())
+    return called
+
+
+@needs_gpu
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
+    monkeypatch.setenv(ENV, "on")
+    monkeypatch.delenv(TUNE, raising=False)
+    (wg, wu, wd), w32 = weights(2056, 5128, 2056, torch.bfloat16)
+    x = tokens(12, 2056, torch.bfloat16, seed=3).view(2, 6, 2056)
+    called = spy_ops(fm, monkeypatch)
+    with torch.no_grad():
+        y = fm.gated_mlp(x, wg, wu, wd, activation=act)
+    assert called == ["gated_mlp_decode"], called
+    assert y.shape == (2, 6, 2056)
+    assert torch.equal(y, fm._ops.ops.gated_mlp_decode(x.view(12, 2056), wg, wu, wd, act).view(2, 6, 2056))
+    assert_2x_rule(y, ref32(x, w32, act), same_dtype(x, (wg, wu, wd), act), name="y")
+    # a 1-D x is one token
+    with torch.no_grad():
+        y1 = fm.gated_mlp(x[0, 0], wg, wu, wd, activation=act)
+    assert y1.shape == (2056,) and torch.equal(y1, y[0, 0])
+    # training (anything requires grad) and the off switch keep the other paths
+    called.clear()
+    monkeypatch.setenv(ENV, "off")
+    with torch.no_grad():
+        fm.gated_mlp(x, wg, wu, wd, activation=act)
+    assert "gated_mlp_decode" not in called
+    monkeypatch.setenv(ENV, "on")
+    fm.gated_mlp(x.detach().requires_grad_(), wg, wu, wd, activation=act)
+    assert "gated_mlp_decode" not in called
+
+
+@needs_gpu
+def test_gated_mlp_under_compile(fm, monkeypatch):
+    """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit. With a symbolic T
+    (dynamic=True) the other path is traced and no guard on T is added (no recompile at another T)."""
+    monkeypatch.setenv(ENV, "on")
+    monkeypatch.delenv(TUNE, raising=False)
+    (wg, wu, wd), _ = weights(136, 520, 24, torch.bfloat16)
+
+    def f(a):
+        return fm.gated_mlp(a, wg, wu, wd, activation="gelu_tanh")
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    x = tokens(6, 136, torch.bfloat16).view(2, 3, 136)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = f(x)
+        out = torch.compile(f, fullgraph=True, dynamic=False, backend=backend)(x)
+    assert len(graphs) == 1 and "gated_mlp_decode" in graphs[0], graphs
+    assert torch.equal(out, eager)
+    torch._dynamo.reset()
+    graphs.clear()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for t in (4, 9, 70):
+            y = compiled(tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136))
+            assert y.shape == (2, t, 24)
+    assert len(graphs) == 1 and "gated_mlp_decode" not in graphs[0], graphs
+    torch._dynamo.reset()
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------------------
+
+
+def test_schema_is_registered_in_every_build(fm):
+    assert hasattr(fm._ops.ops, "gated_mlp_decode") and fm._decode.KERNEL_MAX_TOKENS == 64
+
+
+def test_mode_is_checked(fm, monkeypatch):
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(ValueError, match=ENV):
+        fm._decode.mode()
+    for m in ("auto", "on", "off", " ON "):
+        monkeypatch.setenv(ENV, m)
+        assert fm._decode.mode() == m.strip().lower()
+    monkeypatch.delenv(ENV)
+    assert fm._decode.mode() == "auto"
+
+
+def test_cpu_tensors_never_take_the_op(fm, monkeypatch):
+    """On the CPU the op is never chosen, even when forced on, and gated_mlp gives the CPU path's result exactly."""
+    monkeypatch.setenv(ENV, "on")
+    x = torch.randn(4, 64).bfloat16()
+    wg, wu, wd = torch.randn(160, 64).bfloat16(), torch.randn(160, 64).bfloat16(), torch.randn(40, 160).bfloat16()
+    assert not fm._decode.use_decode(x, wg, wu, wd, None, None, None)
+    with torch.no_grad():
+        on = fm.gated_mlp(x, wg, wu, wd, activation="silu")
+        monkeypatch.setenv(ENV, "off")
+        off = fm.gated_mlp(x, wg, wu, wd, activation="silu")
+    assert torch.equal(on, off)
+
+
+def _on_cuda(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor (any view of one) presented as living on cuda:0, without a GPU: a fake tensor, enough for the
+    predicate, which reads only metadata. (Running an op on it would initialise CUDA: build views on the meta tensor.)"""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor(FakeTensorMode(allow_non_fake_inputs=True), t, torch.device("cuda", 0))
+
+
+def test_predicate_decisions(fm, monkeypatch):
+    """What use_decode says per argument (no kernel runs; on a CPU machine the tensors are fakes on cuda:0 and the
+    capability is set to the H200's)."""
+    dec = fm._decode
+    if SM80:
+        dev, wrap, cap = "cuda", (lambda t: t), torch.cuda.get_device_capability()
+    else:
+        dev, wrap, cap = "meta", _on_cuda, (9, 0)
+        monkeypatch.setitem(dec._CAPABILITY, 0, cap)
+
+    def mk(shape, dtype=torch.bfloat16, view=lambda t: t):
+        return wrap(view(torch.zeros(shape, device=dev, dtype=dtype)))
+
+    h, i = 64, 160
+    wg, wu, wd = mk((i, h)), mk((i, h)), mk((h, i))
+    x = mk((4, h))
+    use = dec.use_decode
+    monkeypatch.setenv(ENV, "on")
+    forced_ok = cap[0] in (8, 9, 10, 12)
+    assert use(x, wg, wu, wd, None, None, None) == forced_ok
+    assert use(mk((2, 32, h)), wg, wu, wd, None, None, None) == forced_ok  # T = 64
+    assert use(mk((h,)), wg, wu, wd, None, None, None) == forced_ok  # one token
+    assert not use(mk((65, h)), wg, wu, wd, None, None, None)  # beyond the kernel
+    assert not use(mk((5, 13, h)), wg, wu, wd, None, None, None)
+    b = mk((i,))
+    assert not use(x, wg, wu, wd, b, None, None) and not use(x, wg, wu, wd, None, b, None)
+    assert not use(x, wg, wu, wd, None, None, mk((h,)))  # biases
+    f32 = [mk(s, torch.float32) for s in ((4, h), (i, h), (i, h), (h, i))]
+    assert not use(*f32, None, None, None)  # fp32
+    assert not use(x, wg, mk((i, h), torch.float16), wd, None, None, None)  # mixed dtypes
+    assert not use(mk((4, 2 * h), view=lambda t: t[:, :h]), wg, wu, wd, None, None, None)  # x not contiguous
+    assert not use(x, wg, wu, mk((i, h), view=lambda t: t.t()), None, None, None)  # w_down not contiguous
+    assert not use(mk((4, 60)), mk((i, 60)), mk((i, 60)), wd, None, None, None)  # H % 8
+    assert not use(x, mk((156, h)), mk((156, h)), mk((h, 156)), None, None, None)  # I % 8
+    assert not use(mk((4 * h + 1,), view=lambda t: t[1:].view(4, h)), wg, wu, wd, None, None, None)  # misaligned
+    monkeypatch.setenv(ENV, "off")
+    assert not use(x, wg, wu, wd, None, None, None)
+    monkeypatch.setenv(ENV, "auto")
+    limit = dec.MAX_TOKENS.get(cap, 0)
+    assert use(mk((max(limit, 1), h)), wg, wu, wd, None, None, None) == (limit > 0)
+    assert not use(mk((limit + 1, h)), wg, wu, wd, None, None, None)
+    assert all(0 < v <= dec.KERNEL_MAX_TOKENS for v in dec.MAX_TOKENS.values())
+
+
+def test_predicate_says_no_to_a_symbolic_token_count(fm, monkeypatch):
+    """A symbolic T (torch.compile with dynamic shapes) takes the other path, whatever the mode, and deciding adds
+    no guard on T to the shape environment."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    dec = fm._decode
+    monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
+    assert isinstance(x.shape[0], torch.SymInt)
+    # the predicate asks x.is_cuda first: present the fake as a CUDA tensor
+    x.fake_device = torch.device("cuda", 0)
+    w = [_on_cuda(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in ((160, 64), (160, 64), (64, 160))]
+    for m in ("on", "auto"):
+        monkeypatch.setenv(ENV, m)
+        assert not dec.use_decode(x, *w, None, None, None)
+    assert not shape_env.guards, shape_env.guards

@@ -1,0 +1,96 @@
+"""When the gated MLP's inference forward runs as one decode-class op (kernels_src/cuda/gated_gemv.cu).
+
+``gated_mlp_decode(x, w_gate, w_up, w_down, activation)`` computes ``y = down(act(x W_g^T) * (x W_u^T))`` for
+``x [T, H]`` with ``T <= 64`` in two GEMV-class kernels on tensor cores (gate/up with the activation in the epilogue,
+then down): one host call per MLP, the weights streamed once at close to HBM bandwidth, where the cuBLAS path pays
+three GEMMs sized for larger T and an activation kernel. fp32 accumulators, ``act(gate) * up`` in fp32, h and y each
+rounded once.
+
+``use_decode`` is asked on every inference call of ``gated_mlp`` (decode: every layer, every token), so the cheap
+tests come first and nothing here adds a guard under torch.compile: sizes are decided only where they are known
+(concrete ints, or ``statically_known_true``); a symbolic token count takes the other path. ``FUSED_MLP_DECODE_MLP``
+overrides the table: ``off`` never, ``on`` wherever the op can run (tests, benchmarks), ``auto`` (default) where the
+measured table below says it is faster.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ._ops import add_op_namespace_prefix, ops
+
+ENV = "FUSED_MLP_DECODE_MLP"
+MODES = ("auto", "on", "off")
+
+KERNEL_MAX_TOKENS = 64  # the op's limit (kMaxTokens in gated_gemv.cu)
+# auto: the largest T at which the op runs, per compute capability (measured crossover against the cuBLAS path and
+# Inductor; see docs/tuning-log-decode-mlp.md). Capabilities without an entry keep the cuBLAS path unless forced on.
+MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
+# Majors with SASS in the build (build.toml: 8.0, 9.0, 10.0, 12.0; binary-compatible within a major).
+_MAJORS = (8, 9, 10, 12)
+
+_AVAILABLE = hasattr(ops, "gated_mlp_decode")  # every build registers the schema; only CUDA builds implement it
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_mlp_decode"))
+def _gated_mlp_decode_fake(x, w_gate, w_up, w_down, activation):
+    return x.new_empty((x.shape[0], w_down.shape[0]))
+
+
+# The environment and device queries are constants to torch.compile (evaluated when the graph is traced).
+@torch.compiler.assume_constant_result
+def mode() -> str:
+    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{ENV} must be one of {MODES}, got {m!r}")
+    return m
+
+
+@torch.compiler.assume_constant_result
+def _token_limit(idx: int, forced: bool) -> int:
+    """The largest T the op takes on device ``idx``: the table's entry (auto), the kernel's limit (forced on) where
+    the capability is supported, else 0."""
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    if forced:
+        return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
+    return MAX_TOKENS.get(cap, 0)
+
+
+def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> bool:
+    """Run ``gated_mlp``'s inference forward through ``gated_mlp_decode``? x: ``[..., H]`` (any rank; the op takes
+    its contiguous [T, H] view), weights as ``gated_mlp`` takes them, no biases."""
+    if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None or b_down is not None:
+        return False
+    if x.dtype != torch.bfloat16 and x.dtype != torch.float16:
+        return False
+    m = mode()
+    if m == "off":
+        return False
+    limit = _token_limit(x.device.index if x.device.index is not None else torch.cuda.current_device(), m == "on")
+    t = 1
+    for d in x.shape[:-1]:  # (torch.Size.numel() would specialise a symbolic size outside dynamo)
+        t = t * d
+    if not statically_known_true(t <= limit):  # a symbolic T: False, and no guard added
+        return False
+    for w in (w_gate, w_up, w_down):
+        if w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous():
+            return False
+    if not x.is_contiguous():
+        return False
+    h, i = x.shape[-1], w_gate.shape[0]
+    if not (statically_known_true(h % 8 == 0) and statically_known_true(i % 8 == 0)):  # 16-byte rows
+        return False
+    # Storages start 16-byte aligned, so the offset decides (not traceable under torch.compile: there the op's own
+    # check reports a misaligned view).
+    if not torch.compiler.is_compiling():
+        for t in (x, w_gate, w_up, w_down):
+            if t.storage_offset() * t.element_size() % 16:
+                return False
+    return True
