@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -190,5 +192,43 @@ void dispatch_base_or_float(ScalarType t, const char* what, F&& f) {
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Host: the switch of a "few rows" (decode-class) path, from an environment variable read once per process:
+//   "auto" (or unset / unknown): the launcher's measured threshold | "on": wherever the path applies | "off": never;
+//   an optional ",<key>=<int>" tuning value (e.g. "on,packs=2"; 0 when absent).
+//   "dynamic" at the first read: the variable is re-read at every call (a getenv per call; for
+//   benchmarks/crossover.py, which switches it between CUDA-graph captures in one process).
+struct SmallKnob {
+  enum Mode { kAuto, kOn, kOff };
+  Mode mode = kAuto;
+  int value = 0;
+};
+
+class SmallKnobReader {
+ public:
+  SmallKnobReader(const char* var, const char* key) : var_(var), key_(key) {
+    const char* e = std::getenv(var);
+    dynamic_ = e != nullptr && std::strncmp(e, "dynamic", 7) == 0;
+    fixed_ = parse(e);
+  }
+  SmallKnob get() const { return dynamic_ ? parse(std::getenv(var_)) : fixed_; }
+
+ private:
+  SmallKnob parse(const char* e) const {
+    SmallKnob k;
+    if (e == nullptr) return k;
+    const std::string s(e);
+    const std::string head = s.substr(0, s.find(','));
+    if (head == "on") k.mode = SmallKnob::kOn;
+    else if (head == "off") k.mode = SmallKnob::kOff;
+    const std::string pat = std::string(",") + key_ + "=";
+    if (const size_t at = s.find(pat); at != std::string::npos) k.value = std::atoi(s.c_str() + at + pat.size());
+    return k;
+  }
+  const char* var_;
+  const char* key_;
+  bool dynamic_ = false;
+  SmallKnob fixed_;
+};
 
 }  // namespace fused_mlp::cuda

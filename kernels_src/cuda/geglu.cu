@@ -8,7 +8,7 @@
 // scalar path: odd I, unaligned views). Each thread keeps U packs of every input in flight per iteration
 // (fwd U = 2, bf16: 2 x (16 + 16) B = 64 B; vector bwd U = 1: 16 + 16 + 16 B, 32 + 16 + 16 with an fp32 dh).
 // The grid is sized to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no
-// tail wave.
+// tail wave. Few elements (decode, up to kSmallMaxElems; FUSED_MLP_GEGLU_SMALL): one pack per thread, no loop.
 // 16-bit outputs take MUFU exp / reciprocal (sigmoid_and_slope) and word-wise conversions (unit_elem): with the
 // IEEE reciprocal and shift-based conversions the kernels were issue-bound -- docs/tuning-log.md#gated-act-mufu
 // Numerics (the CPU file's formulas; fp32 outputs with CUDA's accurate expf/erff):
@@ -48,6 +48,10 @@ namespace {
 //   faster -- docs/tuning-log.md#geglu-bwd-unroll
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
+// Few elements (decode, geglu_fwd_small_kernel): one pack per thread, kSmallThreads per block, taken under "auto"
+// while rows * cols <= kSmallMaxElems. PLACEHOLDER values: to be set from benchmarks/crossover.py on the device.
+constexpr int kSmallThreads = 128;
+constexpr int64_t kSmallMaxElems = int64_t{1} << 20;
 
 // ---- packed loads/stores ------------------------------------------------------------------------------------
 template <typename T, int N>
@@ -133,6 +137,34 @@ __global__ void __launch_bounds__(kThreads) geglu_fwd_kernel(
       }
     }
   }
+}
+
+// Few elements (decode): one 16-byte pack of gate and of up per thread, grid = ceil(packs / blockDim), no loop. At
+// small T * I the persistent kernel above has few blocks (2 at T = 1, I = 8192) whose threads each run kUnroll packs
+// and the row division; here every pack's latency overlaps on as many SMs as there are packs / blockDim. `flat`: the
+// rows are contiguous (or there is one), so pack p is at p * N in all three tensors.
+template <Act A, typename T, int N>
+__global__ void __launch_bounds__(512) geglu_fwd_small_kernel(
+    const T* __restrict__ gate, int64_t gate_stride,  // [rows, cols], row stride in elements
+    const T* __restrict__ up, int64_t up_stride,      // [rows, cols]
+    T* __restrict__ out,                              // [rows, cols] contiguous
+    uint32_t n_packs, FastDiv packs_per_row, bool flat) {
+  static_assert(N * sizeof(T) == 16, "one 16-byte pack per thread");
+  const uint32_t p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= n_packs) return;
+  int64_t go = static_cast<int64_t>(p) * N, uo = go;
+  if (!flat) {
+    const uint32_t row = packs_per_row.div(p);
+    const int64_t col = static_cast<int64_t>(p - row * packs_per_row.d) * N;
+    go = row * gate_stride + col;
+    uo = row * up_stride + col;
+  }
+  float g[N], u[N], h[N];
+  load_pack<N>(gate + go, g);
+  load_pack<N>(up + uo, u);
+#pragma unroll
+  for (int j = 0; j < N; ++j) h[j] = act_fwd<A, kFast<T>>(g[j]) * u[j];
+  store_pack<N>(out + static_cast<int64_t>(p) * N, h);
 }
 
 // Reads dh, gate, up; writes dgate = dh * up * act'(gate), dup = dh * act(gate) and (kWriteH) h = act(gate) * up.
@@ -293,6 +325,25 @@ void launch_fwd(const Tensor& gate, const Tensor& up, const Tensor& out, int dev
   });
 }
 
+// FUSED_MLP_GEGLU_SMALL = auto | on | off [,threads=64|128|256|512] (common.cuh: SmallKnob), read once per process.
+SmallKnob geglu_small_knob() {
+  static const SmallKnobReader reader("FUSED_MLP_GEGLU_SMALL", "threads");
+  return reader.get();
+}
+
+// The few-elements forward (vector path only): one launch, one pack per thread.
+template <Act A, typename T, int N>
+void launch_fwd_small(const Tensor& gate, const Tensor& up, const Tensor& out, int threads, cudaStream_t stream) {
+  const int64_t rows = n_rows(gate), packs_per_row = n_cols(gate) / N;
+  const auto n_packs = static_cast<uint32_t>(rows * packs_per_row);  // < 2^31 (the caller checks)
+  const bool flat = rows == 1 || (row_stride(gate) == n_cols(gate) && row_stride(up) == n_cols(gate));
+  const int grid = static_cast<int>((int64_t{n_packs} + threads - 1) / threads);
+  geglu_fwd_small_kernel<A, T, N><<<grid, threads, 0, stream>>>(
+      cptr<T>(gate, 0), row_stride(gate), cptr<T>(up, 0), row_stride(up), mptr<T>(out, 0), n_packs,
+      FastDiv(static_cast<uint32_t>(packs_per_row)), flat);
+  FM_KERNEL_LAUNCH_CHECK();
+}
+
 // Packs per thread per iteration of the vector bwd kernel: kBwdUnrollDefault, or FUSED_MLP_GEGLU_TUNE="bwd_unroll=1|2"
 // (read once per process) for the tuning sweep.
 constexpr int kBwdUnrollDefault = 1;
@@ -365,13 +416,21 @@ Tensor geglu_fwd_cuda(const Tensor& gate, const Tensor& up, StrArg activation) {
   if (rows == 0 || cols == 0) return out;
   const auto stream = current_stream(gate);
   const int device = device_index(gate);
+  const SmallKnob small = geglu_small_knob();
+  const int64_t elems = rows * cols;
+  const bool few = small.mode == SmallKnob::kOn || (small.mode == SmallKnob::kAuto && elems <= kSmallMaxElems);
+  const int small_threads =
+      small.value == 64 || small.value == 128 || small.value == 256 || small.value == 512 ? small.value : kSmallThreads;
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {
       using T = decltype(tt);
       constexpr int kVec = static_cast<int>(16 / sizeof(T));
       // `out` is fresh (aligned, stride cols): the vector path needs I % kVec == 0 and aligned inputs.
-      if (cols % kVec == 0 && aligned16(gate) && aligned16(up)) launch_fwd<A, T, kVec>(gate, up, out, device, stream);
+      const bool vec = cols % kVec == 0 && aligned16(gate) && aligned16(up);
+      if (vec && few && elems / kVec < (int64_t{1} << 31))
+        launch_fwd_small<A, T, kVec>(gate, up, out, small_threads, stream);
+      else if (vec) launch_fwd<A, T, kVec>(gate, up, out, device, stream);
       else launch_fwd<A, T, 1>(gate, up, out, device, stream);
     });
   });

@@ -3,6 +3,8 @@
 // [M, N]; weight, dw: [N]; y, h, dx: contiguous; rstd: [M] fp32. fp32 math, one rounding per output, any N >= 0.
 //
 // Kernels (`pick` logic in the host launchers below, one table for all of them):
+//   fwd small — few rows (decode): one row group per block, no loop; aligned rows of whole packs, N <= 16384 (bf16)
+//               / 8192 (fp32), M up to a measured limit per N (FUSED_MLP_RMS_NORM_SMALL; section "few rows" below).
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -470,6 +472,184 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs
           store_floats_rt<TX, VEC>(yr, a.y_f32, v * VEC, N, a.vec_ok, o);
         }
       }
+    }
+  }
+}
+
+// ---- forward, few rows (decode): latency first ---------------------------------------------------------------
+// One row group per block and no loop (grid = row groups; rows per block > 1 only for short rows), the whole row in
+// registers (PACKS 16-byte packs per thread, a compile-time N class), no persistent grid or prefetch: x, residual
+// and weight are all requested before anything waits on them, so a row costs one memory round trip, one shuffle
+// reduction (+ one smem round when a row spans warps) and the stores. The weight is read once per block, with an
+// L2 evict-last hint (every block and every decode step reads it again). Only for 16-byte aligned rows with
+// N % VEC == 0 (no per-element bounds: a pack is valid or not as a whole, one predicate per pack).
+// TW: the weight dtype (x's or fp32); without a weight the kernel takes a scale of 1 and the host passes offset 0.
+
+struct FwdSmallArgs {
+  const void* x;          // [M, N] x dtype, row stride x_stride (elements), rows 16-byte aligned
+  int64_t x_stride;
+  const void* res;        // [M, N] h dtype, row stride res_stride, or null
+  int64_t res_stride;
+  void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
+  const void* w;          // [N] x dtype or fp32, or null
+  void* y;                // [M, N] contiguous, x dtype or fp32
+  float* rstd;            // [M]
+  int64_t M;
+  int N, nv;              // nv = N / VEC packs per row
+  float inv_n;            // 1 / N
+  int tpr;                // threads per row: a power of two (< 32 only with rpb >= 32 / tpr) or a multiple of 32
+  int tpr_shift;          // log2(tpr) when rows per block > 1, else 10 (every thread is in row slot 0)
+  int rpb;                // rows per block (blockDim.x == tpr * rpb)
+  float eps, offset;
+  bool w_f32, y_f32;
+};
+
+// Read-only 16-byte load with an L2 evict-last policy (what Inductor's evict_last on the weight compiles to).
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+#endif
+  return pol;
+}
+
+__device__ __forceinline__ uint4 ld16_weight(const uint4* p, uint64_t pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 r;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "l"(pol));
+  return r;
+#else
+  return __ldg(p);
+#endif
+}
+
+// Sum over the tpr threads of row slot `rib` (rows are consecutive runs of tpr threads); every thread of the row gets
+// the same bits. Shuffles within a warp, then, for rows spanning warps, one smem round: lane k takes warp k's sum
+// (<= 16 warps per row) and a butterfly adds them. Called once per block by all of its threads. `red`: 32 floats.
+__device__ __forceinline__ float small_row_sum(float v, int tpr, int rib, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpr = tpr >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < wpr ? red[rib * wpr + lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t;
+}
+
+template <typename TX, typename TH, typename TW, bool RES, int PACKS>
+__global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_kernel(const FwdSmallArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  using HPack = Pack<TH, VEC>;
+  using WPack = Pack<TW, VEC>;
+  static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
+  static_assert(XPack::kUnits == 1, "an x pack is one 16-byte unit");
+  __shared__ float red[32];
+
+  const int tpr = a.tpr;
+  const int rib = static_cast<int>(threadIdx.x) >> a.tpr_shift;
+  const int lane = static_cast<int>(threadIdx.x) - rib * tpr;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * a.rpb + rib;
+  const bool valid = row < a.M;  // false only in the last block of short rows
+  bool has[PACKS];                // pack lane + i * tpr exists in the row
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) has[i] = valid && lane + i * tpr < a.nv;
+
+  // Every load is issued before anything waits on one: weight, x, residual.
+  const uint64_t pol = l2_evict_last_policy();
+  WPack wv[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    if (a.w != nullptr && has[i]) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const TW*>(a.w) + (lane + i * tpr) * VEC);
+#pragma unroll
+      for (int k = 0; k < WPack::kUnits; ++k) wv[i].u[k] = ld16_weight(src + k, pol);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) wv[i].v[j] = from_float<TW>(1.f);  // no weight: scale 1 (offset is 0 then)
+    }
+  }
+  const TX* xr = static_cast<const TX*>(a.x) + (valid ? row : 0) * a.x_stride;
+  const TH* rr = RES ? static_cast<const TH*>(a.res) + (valid ? row : 0) * a.res_stride : nullptr;
+  XPack xv[PACKS];
+  HPack rv[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    const int v = lane + i * tpr;
+    if (has[i]) {
+      xv[i].u[0] = ld16<Ld::Stream>(reinterpret_cast<const uint4*>(xr + v * VEC));
+      if constexpr (RES) {
+        const uint4* src = reinterpret_cast<const uint4*>(rr + v * VEC);
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = ld16<Ld::Stream>(src + k);
+      }
+    } else {
+      xv[i].u[0] = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (RES) {
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+
+  // h (stored with a residual) and its sum of squares.
+  HPack hv[PACKS];
+  float ssv[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+  TH* hr = RES ? static_cast<TH*>(a.h) + (valid ? row : 0) * static_cast<int64_t>(a.N) : nullptr;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    if constexpr (RES) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) hv[i].v[j] = from_float<TH>(xv[i].f(j) + rv[i].f(j));
+      // The residual stream carries h rounded to its dtype; exactly that value is normalised below.
+      if (has[i]) {
+        uint4* dst = reinterpret_cast<uint4*>(hr + (lane + i * tpr) * VEC);
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k) dst[k] = hv[i].u[k];
+      }
+    } else {
+      hv[i] = xv[i];
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float f = hv[i].f(j);
+      ssv[j] = fmaf(f, f, ssv[j]);
+    }
+  }
+  const float ss = small_row_sum(sum_vec(ssv), tpr, rib, red);
+  const float rs = rsqrtf(ss * a.inv_n + a.eps);
+  if (!valid) return;  // after the block-wide reduction
+  if (lane == 0) a.rstd[row] = rs;
+
+  // y = h * rstd * (offset + w), rounded once.
+  char* yr = static_cast<char*>(a.y) + row * a.N * (a.y_f32 ? 4 : static_cast<int64_t>(sizeof(TX)));
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    if (!has[i]) continue;
+    const int v = lane + i * tpr;
+    float o[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] = hv[i].f(j) * rs * (a.offset + wv[i].f(j));
+    if (a.y_f32) {
+      Pack<float, VEC> p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
+      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(yr) + v * VEC);
+#pragma unroll
+      for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
+    } else {
+      XPack p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
+      *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(yr) + v * VEC) = p.u[0];
     }
   }
 }
@@ -1034,6 +1214,57 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
   return c;
 }
 
+// ---- host: the few-rows (decode) forward path --------------------------------------------------------------
+
+// Tuning table of the few-rows path (rms_norm_fwd_small_kernel). PLACEHOLDER values: to be set from the device run
+// of benchmarks/crossover.py (it prints the measured crossover per N).
+//   packs per thread by row length in packs NV (threads per row = NV / packs): N <= 2048 bf16 -> 1 pack,
+//     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row. [PLACEHOLDER: sweep with ",packs=" below]
+//   "auto" takes the path while M <= small_max_rows(N). [PLACEHOLDER: the crossover per N]
+int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
+int64_t small_max_rows(int64_t N) { return N <= 2048 ? 1024 : N <= 4096 ? 512 : N <= 8192 ? 256 : 128; }
+
+// FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process.
+SmallKnob rms_small_knob() {
+  static const SmallKnobReader reader("FUSED_MLP_RMS_NORM_SMALL", "packs");
+  return reader.get();
+}
+
+constexpr int small_max_threads(int packs) { return packs >= 8 ? 256 : 512; }  // the kernel's __launch_bounds__
+
+struct SmallConfig {
+  int packs = 0, tpr = 0, rpb = 1, tpr_shift = 10;
+  int threads() const { return tpr * rpb; }
+};
+
+// Packs per thread, threads per row and rows per block of the few-rows kernel for rows of NV packs; false when such
+// a row does not fit it. `forced`: packs per thread from the knob (0: the table), ignored where it cannot hold the row.
+bool small_config(int64_t NV, int64_t M, int sms, int forced, SmallConfig& c) {
+  int packs = small_table_packs(NV);
+  const bool valid_forced = forced == 1 || forced == 2 || forced == 4 || forced == 8;
+  if (valid_forced && (NV + forced - 1) / forced <= small_max_threads(forced)) packs = forced;
+  if (packs == 0 || NV < 1) return false;
+  const int64_t need = (NV + packs - 1) / packs;
+  const int tpr = need <= 32 ? next_pow2(need) : static_cast<int>((need + 31) / 32 * 32);
+  if (tpr > small_max_threads(packs)) return false;
+  int rpb = 1;
+  if ((tpr & (tpr - 1)) == 0 && tpr < 128) {
+    // Short rows: up to 128-thread blocks of several rows, but first one row group per SM (a short batch spreads
+    // over all SMs); a block is whole warps.
+    const int64_t per_sm = std::max<int64_t>(1, (M + sms - 1) / sms);
+    rpb = static_cast<int>(std::min<int64_t>(128 / tpr, per_sm));
+    const int min_rpb = tpr < 32 ? 32 / tpr : 1;
+    rpb = (rpb + min_rpb - 1) / min_rpb * min_rpb;
+  }
+  int shift = 0;
+  while ((1 << shift) < tpr) ++shift;
+  c.packs = packs;
+  c.tpr = tpr;
+  c.rpb = rpb;
+  c.tpr_shift = rpb > 1 ? shift : 10;  // rpb == 1: tid >> 10 == 0 for every thread
+  return true;
+}
+
 bool rows_aligned16(const Tensor& t) {
   const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return (p & 15) == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
@@ -1122,6 +1353,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
   const int dev = device_index(x);
   const DeviceInfo& info = device_info(dev);
   const Tuning& tune = tuning();
+  const SmallKnob small = rms_small_knob();
   const auto stream = current_stream(x);
   const bool has_res = residual.has_value();
 
@@ -1151,6 +1383,44 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
     auto run = [&](auto htag, auto res_tag) {
       using TH = decltype(htag);
       constexpr bool RES = decltype(res_tag)::value;
+      // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
+      if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
+          (small.mode == SmallKnob::kOn || M <= small_max_rows(N))) {
+        SmallConfig sc;
+        if (small_config(NV, M, info.sms, small.value, sc)) {
+          FwdSmallArgs b{};
+          b.x = a.x;
+          b.x_stride = a.x_stride;
+          b.res = a.res;
+          b.res_stride = a.res_stride;
+          b.h = a.h;
+          b.w = a.w;
+          b.y = a.y;
+          b.rstd = a.rstd;
+          b.M = M;
+          b.N = static_cast<int>(N);
+          b.nv = static_cast<int>(NV);
+          b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
+          b.tpr = sc.tpr;
+          b.tpr_shift = sc.tpr_shift;
+          b.rpb = sc.rpb;
+          b.eps = a.eps;
+          b.offset = a.offset;
+          b.w_f32 = a.w_f32;
+          b.y_f32 = a.y_f32;
+          const int64_t grid = (M + sc.rpb - 1) / sc.rpb;  // one row group per block: no loop, no persistence
+          if (b.w == nullptr) b.offset = 0.f;  // no weight: the kernel scales by offset + 1 = 1
+          dispatch_b_or_f32<TX>(b.w_f32, [&](auto wtag) {
+            using TW = decltype(wtag);
+            dispatch_int<1, 2, 4, 8>(sc.packs, [&](auto pk) {
+              rms_norm_fwd_small_kernel<TX, TH, TW, RES, decltype(pk)::value>
+                  <<<static_cast<unsigned>(grid), sc.threads(), 0, stream>>>(b);
+              FM_KERNEL_LAUNCH_CHECK();
+            });
+          });
+          return;
+        }
+      }
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

@@ -1,0 +1,236 @@
+"""Few-rows (decode-class) CUDA paths, chosen by the C++ launchers by row count: rms_norm's latency kernel
+(``rms_norm_fwd_small_kernel``: one row per block, the row in registers) and the gated activations' one-pack-per-thread
+kernel (``geglu_fwd_small_kernel``), against the fp32 reference with the 2x rule.
+
+The knobs ``FUSED_MLP_RMS_NORM_SMALL`` / ``FUSED_MLP_GEGLU_SMALL`` (auto | on | off, read once per process) pick the
+path. Every case here runs in the mode of the test process (auto unless set) and, from
+``test_forced_paths_subprocess``, again in fresh processes with both paths forced on and both forced off, so the new
+kernels and the persistent ones are checked at the same shapes; ``test_path_follows_knob`` checks with the profiler
+that each setting launches the kernel it names. GPU only (skipped on CPU machines).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _utils import assert_2x_rule, exact_act
+from conftest import CUDA, ROOT
+from test_geglu import ACTS, call, floor_for, inputs, torch_act
+from test_rms_norm import make, run_case
+
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MS = [1, 2, 3, 7, 16, 63, 64, 65]
+NS = [1, 3, 128, 256, 512, 1000, 2048, 2304, 4096, 5376, 8192, 16384]
+# The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows, geglu.cu kSmallMaxElems; placeholders
+# until the device run of benchmarks/crossover.py sets them): the row counts on both sides are tested too.
+RMS_AUTO_MAX_ROWS = ((2048, 1024), (4096, 512), (8192, 256), (16384, 128))
+GEGLU_AUTO_MAX_ELEMS = 1 << 20
+
+
+def rms_row_counts(n: int) -> list[int]:
+    limit = next((m for n_max, m in RMS_AUTO_MAX_ROWS if n <= n_max), None)
+    return MS + ([limit - 1, limit, limit + 1] if limit is not None else [])
+
+
+def check_rstd(fm, x, w, *, eps=1e-6, offset=0.0, residual=None, residual_dtype=None):
+    """The op's saved rstd (what the backward uses) vs the fp64 value of the rounded h."""
+    ops = fm._ops.ops
+    _, h, rstd = ops.rms_norm_fwd(x, residual, w, eps, offset, x.dtype, residual_dtype)
+    hh = h if residual is not None else x
+    ref = torch.rsqrt(hh.double().pow(2).mean(-1) + eps)
+    assert rstd.shape == (x.shape[0],) and rstd.dtype == torch.float32
+    torch.testing.assert_close(rstd.double(), ref, rtol=4e-6, atol=0.0)
+
+
+# ---- rms_norm ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_fwd_shapes(fm, dtype, N):
+    """y (2x rule) and rstd at every row count around the decode sizes and the auto limit."""
+    w = 1 + 0.25 * make((N,), dtype, "cuda", seed=1)
+    for M in rms_row_counts(N):
+        x = make((M, N), dtype, "cuda", seed=M)
+        run_case(fm, x, w, check_grads=False)
+        check_rstd(fm, x, w)
+
+
+VARIANTS = ["plain", "residual", "residual_fp32", "gemma", "fp32_weight", "no_weight", "row_stride"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_variants(fm, dtype, variant):
+    """Every feature of the forward through the few-rows path, with the backward (which reads the saved rstd)."""
+    for N in (128, 2048, 4096, 5376, 8192):
+        for M in (1, 7, 64, 65):
+            x = make((M, N), dtype, "cuda", seed=M + N)
+            w = 1 + 0.25 * make((N,), dtype, "cuda", seed=1)
+            if variant == "plain":
+                run_case(fm, x, w)
+                check_rstd(fm, x, w)
+            elif variant in ("residual", "residual_fp32"):
+                rd = torch.float32 if variant == "residual_fp32" else None
+                r = make((M, N), rd or dtype, "cuda", seed=2)
+                run_case(fm, x, w, residual=r, residual_dtype=rd)
+                check_rstd(fm, x, w, residual=r, residual_dtype=rd)
+            elif variant == "gemma":
+                wg = 0.1 * make((N,), dtype, "cuda", seed=3)
+                run_case(fm, x, wg, offset=1.0)
+                run_case(fm, x, wg, offset=1.0, residual=make((M, N), dtype, "cuda", seed=2))
+                check_rstd(fm, x, wg, offset=1.0)
+            elif variant == "fp32_weight":
+                w32 = w.float()
+                run_case(fm, x, w32, out_dtype=torch.float32)
+                run_case(fm, x, w32)
+                run_case(fm, x, w32, residual=make((M, N), torch.float32, "cuda", seed=2),
+                         residual_dtype=torch.float32, out_dtype=torch.float32)
+                check_rstd(fm, x, w32)
+            elif variant == "no_weight":
+                run_case(fm, x, None)
+                run_case(fm, x, None, offset=1.0, residual=make((M, N), dtype, "cuda", seed=2))
+                check_rstd(fm, x, None)
+            else:  # rows of a wider buffer: a row stride other than N (still 16-byte aligned)
+                xs = make((M, N + 16), dtype, "cuda", seed=5)[:, 8:N + 8]
+                rs = make((M, N + 32), dtype, "cuda", seed=6)[:, :N]
+                run_case(fm, xs, w)
+                run_case(fm, xs, w, residual=rs)
+                check_rstd(fm, xs, w, residual=rs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_nan_inf(fm, dtype):
+    """NaN/Inf in a row propagate as in the fp32 reference (NaN/Inf patterns are part of the 2x rule)."""
+    M, N = 4, 4096
+    x = make((M, N), dtype, "cuda")
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 9] = -float("inf")
+    w = 1 + 0.25 * make((N,), dtype, "cuda", seed=1)
+    w[11] = float("inf")
+    run_case(fm, x, w, check_grads=False)
+    x[0, 5] = 3.0  # with a residual: Inf only (run_case checks h bitwise, and NaN != NaN)
+    run_case(fm, x, w, residual=make((M, N), dtype, "cuda", seed=2), check_grads=False)
+
+
+def test_rms_norm_misaligned_and_odd_stay_correct(fm):
+    """Layouts the few-rows kernel does not take (odd N, misaligned base, odd row stride) at few rows."""
+    for N in (1000, 4096):
+        flat = make((3 * N + 1,), torch.bfloat16, "cuda")
+        run_case(fm, flat[1:].view(3, N), 1 + 0.25 * make((N,), torch.bfloat16, "cuda", seed=1))
+        run_case(fm, make((3, N + 1), torch.bfloat16, "cuda")[:, :N], 1 + 0.25 * make((N,), torch.bfloat16, "cuda"))
+    run_case(fm, make((5, 4099), torch.float16, "cuda"), None)
+
+
+# ---- gated activations ------------------------------------------------------------------------------------------
+
+IS = [8, 24, 1000, 2048, 8192, 14336, 16384]
+
+
+def geglu_token_counts(i: int) -> list[int]:
+    limit = GEGLU_AUTO_MAX_ELEMS // i
+    return MS + [limit, limit + 1]
+
+
+def check_act(fm, act, gate, up):
+    out = call(fm, act, gate, up)
+    dtype = gate.dtype
+    ref32 = (torch_act(act, gate.float()) * up.float()).to(dtype)
+    same = torch_act(act, gate) * up
+    assert out.shape == gate.shape and out.dtype == dtype and out.is_contiguous()
+    assert_2x_rule(out, ref32, same, floor=floor_for(ref32.float()) if dtype == torch.float32 else None)
+
+
+@pytest.mark.parametrize("I", IS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_act_shapes(fm, act, dtype, I):
+    for T in geglu_token_counts(I):
+        gate, up = inputs((T, I), dtype, "cuda", seed=T)
+        check_act(fm, act, gate, up)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_act_layouts(fm, act):
+    """Halves of one [T, 2I] tensor (row stride 2I: the row-division path), 3-D, and a misaligned view."""
+    for dtype in DTYPES:
+        for T, I in ((1, 8192), (3, 2048), (16, 14336), (65, 1000)):
+            both = inputs((T, 2 * I), dtype, "cuda", seed=T)[0]
+            check_act(fm, act, both[:, :I], both[:, I:])
+            gate, up = inputs((2, T, I), dtype, "cuda", seed=1)
+            check_act(fm, act, gate, up)
+            g, u = inputs((T * I + 1,), dtype, "cuda", seed=2)
+            check_act(fm, act, g[1:].view(T, I), u[1:].view(T, I))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_act_nan_inf(fm, act, dtype):
+    """NaN/Inf through the vector path: the pattern of the exact definition (Python doubles, _utils.exact_act)."""
+    specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 30.0, -30.0, 90.0, -90.0]
+    gate, up = inputs((2, 64), dtype, "cuda")
+    gate.view(-1)[: len(specials)] = torch.tensor(specials, dtype=dtype)
+    up.view(-1)[64:64 + len(specials)] = torch.tensor(specials, dtype=dtype)
+    out = call(fm, act, gate, up)
+    exact = torch.tensor([exact_act(act, v) for v in gate.double().flatten().tolist()], dtype=torch.float64)
+    ref = exact.view(gate.shape).to(gate.device) * up.double()
+    floor = floor_for(ref.float()) if dtype == torch.float32 else None
+    assert_2x_rule(out, ref, torch_act(act, gate) * up, floor=floor)
+
+
+# ---- which kernel runs --------------------------------------------------------------------------------------------
+
+
+def _kernel_names(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "rms_norm" in e.name or "geglu" in e.name]
+
+
+def _mode(var: str) -> str:
+    return os.environ.get(var, "auto").split(",")[0]
+
+
+def test_path_follows_knob(fm):
+    """Under each knob setting the launcher takes the kernel it names (auto: the few-rows kernel at M = 1)."""
+    rms, act = _mode("FUSED_MLP_RMS_NORM_SMALL"), _mode("FUSED_MLP_GEGLU_SMALL")
+    if rms == "dynamic" or act == "dynamic":
+        pytest.skip("dynamic knobs (benchmarks only)")
+    x1 = make((1, 4096), torch.bfloat16, "cuda")
+    w = make((4096,), torch.bfloat16, "cuda", seed=1)
+    xl = torch.randn((8192, 4096), device="cuda", dtype=torch.bfloat16)
+    small1 = any("rms_norm_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.rms_norm(x1, w)))
+    small_l = any("rms_norm_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.rms_norm(xl, w)))
+    assert small1 == (rms != "off"), (rms, small1)
+    assert small_l == (rms == "on"), (rms, small_l)  # auto: 8192 rows are past every limit
+    g1, u1 = inputs((1, 8192), torch.bfloat16, "cuda")
+    gl, ul = (torch.randn((4096, 16384), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    small1 = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(g1, u1)))
+    small_l = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(gl, ul)))
+    assert small1 == (act != "off"), (act, small1)
+    assert small_l == (act == "on"), (act, small_l)
+
+
+@pytest.mark.parametrize("knobs", ["on", "off", "on,packs=8|on,threads=64"])
+def test_forced_paths_subprocess(knobs):
+    """This file again in a fresh process per setting (the knobs are read once per process): both few-rows paths
+    forced on (incl. the other packs-per-thread / block-size choices) and both forced off."""
+    rms, act = (knobs.split("|") + [knobs])[:2]
+    env = {**os.environ, "FUSED_MLP_RMS_NORM_SMALL": rms, "FUSED_MLP_GEGLU_SMALL": act}
+    args = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "ops" / "test_small_rows.py"), "-q", "-x",
+            "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "not subprocess"]
+    if "packs" in rms:  # the other configurations: the shape sweeps suffice
+        args[-1] = "fwd_shapes or gated_act_shapes"
+    proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
