@@ -39,9 +39,9 @@
 // in order and runs the epilogue. The K tail (H or I not a multiple of 32: one partial chunk, a multiple of 8) is
 // loaded with a per-lane mask, both operands zero beyond K, by the warp with the last k-slice; rows beyond the matrix
 // (I or H_out not a multiple of 16 R wr) read the last row again and are not stored.
-// Programmatic dependent launch (sm_90+, opt-in: FUSED_MLP_DECODE_TUNE=pdl=1): the down pass may start while the
-// gate/up pass drains; it prefetches its first weight batch into L2 and waits (griddepcontrol.wait) before touching h
-// or the counters.
+// Programmatic dependent launch (sm_90+, on by default; FUSED_MLP_DECODE_TUNE=pdl=0 turns it off): the down pass
+// may start while the gate/up pass drains; it prefetches its first weight batch into L2 and waits
+// (griddepcontrol.wait) before touching h or the counters.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -69,8 +69,8 @@ constexpr int kMaxDevices = 64;
 constexpr const char* kOp = "fused_mlp: gated_mlp_decode";
 
 // ---- tuning table --------------------------------------------------------------------------------------------
-// Per pass and token class (NT = 1, 2, 4, 8 n8-tiles: T <= 8, 16, 32, 64). First choices from the memory model and
-// the compiler's output, not yet timed on a GPU (docs/tuning-log-decode-mlp.md records the H200 runs;
+// Per pass and token class (NT = 1, 2, 4, 8 n8-tiles: T <= 8, 16, 32, 64). Chosen from the memory model and the
+// compiler's output; the H200 variants measured no better (docs/tuning-log.md#gated-mlp-decode;
 // FUSED_MLP_DECODE_TUNE overrides wr / wk / ks / pdl at run time, benchmarks/decode_mlp.py times such variants):
 //   Little's law on the H200: ~4.3 TB/s x ~0.7 us ~= 3 MB in flight, ~23 KB per SM. A warp's batch is U x 2 x R x M
 //   16-byte weight loads (M = 2 matrices in gate/up): 12-16 loads (6-8 KB) up to T = 32, 8 for gate/up at T = 64.
@@ -105,7 +105,8 @@ constexpr PassCfg kDownCfg[4] = {
 };
 constexpr int kMaxSplitCtas = 8;    // down pass: ks = the CTAs resident at once / row groups, at most 8 (workspace
                                     // traffic 2 x ks x T x H_out x 4 bytes, in L2)
-constexpr bool kPdlDefault = false;  // programmatic dependent launch of the down pass: off until measured
+// PDL for the down pass: 0.96-0.98x the time without -- docs/tuning-log.md#gated-mlp-decode
+constexpr bool kPdlDefault = true;
 
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 

@@ -49,9 +49,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
 // Few elements (decode, geglu_fwd_small_kernel): one pack per thread, kSmallThreads per block, taken under "auto"
-// while rows * cols <= kSmallMaxElems. PLACEHOLDER values: to be set from benchmarks/crossover.py on the device.
+// while rows * cols <= kSmallMaxElems: faster than the persistent kernel up to T = 16 at I = 8192, even from T = 64
+// -- docs/tuning-log.md#gated-act-decode (block size not swept yet: the knob's ",threads=" does).
 constexpr int kSmallThreads = 128;
-constexpr int64_t kSmallMaxElems = int64_t{1} << 20;
+constexpr int64_t kSmallMaxElems = int64_t{1} << 17;
 
 // ---- packed loads/stores ------------------------------------------------------------------------------------
 template <typename T, int N>

@@ -1216,13 +1216,13 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
 
 // ---- host: the few-rows (decode) forward path --------------------------------------------------------------
 
-// Tuning table of the few-rows path (rms_norm_fwd_small_kernel). PLACEHOLDER values: to be set from the device run
-// of benchmarks/crossover.py (it prints the measured crossover per N).
+// Tuning table of the few-rows path (rms_norm_fwd_small_kernel).
 //   packs per thread by row length in packs NV (threads per row = NV / packs): N <= 2048 bf16 -> 1 pack,
-//     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row. [PLACEHOLDER: sweep with ",packs=" below]
-//   "auto" takes the path while M <= small_max_rows(N). [PLACEHOLDER: the crossover per N]
+//     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row (not swept yet: the knob's ",packs=" does).
+//   "auto" never takes it: on the H200 it measured as fast as the persistent kernels' one-row-per-block path, not
+//   faster, at every M <= 1024 -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on selects it.
 int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
-int64_t small_max_rows(int64_t N) { return N <= 2048 ? 1024 : N <= 4096 ? 512 : N <= 8192 ? 256 : 128; }
+int64_t small_max_rows(int64_t) { return 0; }
 
 // FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process.
 SmallKnob rms_small_knob() {

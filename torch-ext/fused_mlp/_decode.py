@@ -27,7 +27,8 @@ MODES = ("auto", "on", "off")
 
 KERNEL_MAX_TOKENS = 64  # the op's limit (kMaxTokens in gated_gemv.cu)
 # auto: the largest T at which the op runs, per compute capability (measured crossover against the cuBLAS path and
-# Inductor; see docs/tuning-log-decode-mlp.md). Capabilities without an entry keep the cuBLAS path unless forced on.
+# Inductor). Capabilities without an entry keep the cuBLAS path unless forced on.
+# H200: wins at T = 1 and 16, loses at 64 -- docs/tuning-log.md#gated-mlp-decode
 MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
 # Majors with SASS in the build (build.toml: 8.0, 9.0, 10.0, 12.0; binary-compatible within a major).
 _MAJORS = (8, 9, 10, 12)
