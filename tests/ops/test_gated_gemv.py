@@ -245,7 +245,9 @@ def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
     # a 1-D x is one token
     with torch.no_grad():
         y1 = fm.gated_mlp(x[0, 0], wg, wu, wd, activation=act)
-    assert y1.shape == (2056,) and torch.equal(y1, y[0, 0])
+    # (T = 1 and T = 12 are different token classes: another summation order, so the 2x rule, not equality)
+    assert y1.shape == (2056,)
+    assert_2x_rule(y1, ref32(x[0, 0], w32, act), same_dtype(x[0, 0], (wg, wu, wd), act), name="y (one token)")
     # training (anything requires grad) and the off switch keep the other paths
     called.clear()
     monkeypatch.setenv(ENV, "off")
