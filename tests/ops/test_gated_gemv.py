@@ -371,10 +371,21 @@ def test_predicate_decisions(fm, monkeypatch):
     monkeypatch.setenv(ENV, "off")
     assert not use(x, wg, wu, wd, None, None, None)
     monkeypatch.setenv(ENV, "auto")
-    limit = dec.MAX_TOKENS.get(cap, 0)
+    limit = dec.auto_limit(cap, h)
     assert use(mk((max(limit, 1), h)), wg, wu, wd, None, None, None) == (limit > 0)
     assert not use(mk((limit + 1, h)), wg, wu, wd, None, None, None)
-    assert all(0 < v <= dec.KERNEL_MAX_TOKENS for v in dec.MAX_TOKENS.values())
+    for entries in dec.MAX_TOKENS.values():  # (max H, max T) pairs, H bounds increasing, T within the kernel's limit
+        assert [e[0] for e in entries] == sorted(e[0] for e in entries)
+        assert all(0 < t <= dec.KERNEL_MAX_TOKENS for _, t in entries)
+
+
+def test_auto_limit_follows_the_hidden_size(fm):
+    """The H200 table: T <= 16 at H = 2048 (Llama-3.2-1B, Gemma-2B), T <= 8 at H = 4096 (Llama-3-8B), where the
+    decode op was measured against the cuBLAS path; no entry: 0."""
+    dec = fm._decode
+    assert dec.auto_limit((9, 0), 2048) == 16 and dec.auto_limit((9, 0), 3072) == 16
+    assert dec.auto_limit((9, 0), 4096) == 8
+    assert dec.auto_limit((8, 0), 2048) == 0
 
 
 def test_predicate_says_no_to_a_symbolic_token_count(fm, monkeypatch):

@@ -26,10 +26,11 @@ ENV = "FUSED_MLP_DECODE_MLP"
 MODES = ("auto", "on", "off")
 
 KERNEL_MAX_TOKENS = 64  # the op's limit (kMaxTokens in gated_gemv.cu)
-# auto: the largest T at which the op runs, per compute capability (measured crossover against the cuBLAS path and
-# Inductor). Capabilities without an entry keep the cuBLAS path unless forced on.
-# H200: wins at T = 1 and 16, loses at 64 -- docs/tuning-log.md#gated-mlp-decode
-MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
+# auto: per compute capability, (largest hidden size H, largest T) pairs in order of H: the op runs while T <= the
+# first entry's T whose H bound covers x's hidden size (measured crossover against the cuBLAS path and Inductor).
+# Capabilities without an entry keep the cuBLAS path unless forced on.
+# H200: T <= 16 at H = 2048 (I = 8192 and 16384), T <= 8 at H = 4096 -- docs/tuning-log.md#gated-mlp-decode
+MAX_TOKENS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(9, 0): ((3072, 16), (1 << 30, 8))}
 # Majors with SASS in the build (build.toml: 8.0, 9.0, 10.0, 12.0; binary-compatible within a major).
 _MAJORS = (8, 9, 10, 12)
 
@@ -51,16 +52,24 @@ def mode() -> str:
     return m
 
 
+def auto_limit(cap: tuple[int, int], h: int) -> int:
+    """The table's largest T for hidden size ``h`` on a device of capability ``cap`` (0: never in auto)."""
+    for max_h, max_t in MAX_TOKENS.get(cap, ()):
+        if h <= max_h:
+            return max_t
+    return 0
+
+
 @torch.compiler.assume_constant_result
-def _token_limit(idx: int, forced: bool) -> int:
-    """The largest T the op takes on device ``idx``: the table's entry (auto), the kernel's limit (forced on) where
-    the capability is supported, else 0."""
+def _token_limit(idx: int, forced: bool, h: int) -> int:
+    """The largest T the op takes on device ``idx`` for hidden size ``h``: the table's entry (auto), the kernel's limit
+    (forced on) where the capability is supported, else 0."""
     cap = _CAPABILITY.get(idx)
     if cap is None:
         cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
     if forced:
         return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
-    return MAX_TOKENS.get(cap, 0)
+    return auto_limit(cap, h)
 
 
 def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -74,7 +83,10 @@ def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     m = mode()
     if m == "off":
         return False
-    limit = _token_limit(x.device.index if x.device.index is not None else torch.cuda.current_device(), m == "on")
+    h = x.shape[-1]
+    if not isinstance(h, int):  # a symbolic hidden size: the other path
+        return False
+    limit = _token_limit(x.device.index if x.device.index is not None else torch.cuda.current_device(), m == "on", h)
     t = 1
     for d in x.shape[:-1]:  # (torch.Size.numel() would specialise a symbolic size outside dynamo)
         t = t * d
