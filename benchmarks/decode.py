@@ -50,7 +50,6 @@ Writes ``<results-root>/<device-slug>/decode.csv`` (rows of models not run are k
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import logging
@@ -58,7 +57,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -67,6 +66,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # _utils.opted_in, shared with the tests
 
 from bench_lib import (  # noqa: E402
     DTYPES,
@@ -84,6 +84,7 @@ from bench_lib import (  # noqa: E402
     read_rows,
     synchronize,
 )
+from _utils import opted_in  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -176,27 +177,6 @@ def _opt_in_classes() -> list[tuple[type, str]]:
             (modeling_llama.LlamaMLP, "GeGLUMLP"), (modeling_qwen3.Qwen3MLP, "GeGLUMLP")]
 
 
-@contextlib.contextmanager
-def opted_in(layers: Sequence[str]) -> Iterator[None]:
-    """``replace_kernel_forward_from_hub`` for transformers' undecorated classes, undone afterwards."""
-    from kernels import replace_kernel_forward_from_hub
-
-    attrs = ("kernel_layer_name", "kernel_condition")
-    pairs = [(cls, name) for cls, name in _opt_in_classes() if name in layers]
-    saved = [(cls, {a: cls.__dict__[a] for a in attrs if a in cls.__dict__}) for cls, _ in pairs]
-    try:
-        for cls, name in pairs:
-            replace_kernel_forward_from_hub(cls, name)
-        yield
-    finally:
-        for cls, old in reversed(saved):
-            for a in attrs:
-                if a in old:
-                    setattr(cls, a, old[a])
-                elif a in cls.__dict__:
-                    delattr(cls, a)
-
-
 def kernelized(model: nn.Module, device: str, compiled: bool, layers: Sequence[str], repo: Path) -> nn.Module:
     """A copy of ``model`` kernelized as a user does it (Mode.INFERENCE, | Mode.TORCH_COMPILE when it is compiled)."""
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
@@ -208,7 +188,8 @@ def kernelized(model: nn.Module, device: str, compiled: bool, layers: Sequence[s
     old = kernels_log.level
     kernels_log.setLevel(logging.ERROR)  # "no mapping for rotary_emb" etc. is expected: what was replaced is counted
     try:
-        with opted_in(layers), use_kernel_mapping(mapping, inherit_mapping=False):
+        with opted_in([(cls, name) for cls, name in _opt_in_classes() if name in layers]), \
+                use_kernel_mapping(mapping, inherit_mapping=False):
             kernelize(ours, mode=mode, device=device, use_fallback=True)
     finally:
         kernels_log.setLevel(old)

@@ -116,3 +116,20 @@ def exact_grad(act: str, x: float) -> float:
     z = _gelu_tanh_z(x)
     dz = 2.0 * math.sqrt(2.0 / math.pi) * (1.0 + 3.0 * 0.044715 * x * x)
     return _sigmoid(z) + x * _sigmoid(z) * _sigmoid(-z) * dz
+
+
+def spy_mlp_ops(fm, monkeypatch) -> list[str]:
+    """Record, by name and in order, the ops ``gated_mlp`` (the package's gated_mlp.py) calls."""
+    import sys
+
+    mod = sys.modules[fm.__name__ + ".gated_mlp"]
+    real, called = mod.ops, []
+
+    class Recorder:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(mod, "ops", Recorder())
+    return called
+

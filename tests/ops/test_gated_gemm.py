@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import TAIL_ATOL, TAILS, assert_2x_rule, exact_act, exact_grad
+from _utils import TAIL_ATOL, TAILS, assert_2x_rule, exact_act, exact_grad, spy_mlp_ops
 from conftest import CUDA
 
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -220,21 +220,6 @@ def test_opcheck(fm):
 # ---- the MLP through them --------------------------------------------------------------------------------------
 
 
-def spy_ops(fm, monkeypatch) -> list[str]:
-    """Record the ops the MLP (gated_mlp.py) calls, by name, in order."""
-    import sys
-
-    mod = sys.modules[fm._epilogue.__name__.rsplit(".", 1)[0] + ".gated_mlp"]
-    real, called = mod.ops, []
-
-    class Recorder:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(real, name)
-    monkeypatch.setattr(mod, "ops", Recorder())
-    return called
-
-
 # The MLP's ops in training per FUSED_MLP_GEMM_EPILOGUE mode (forward, backward): both passes fused use the slopes
 # form; one fused pass saves gate/up.
 MLP_OPS = {"on": ["gated_gemm_fwd_slopes", "gated_gemm_bwd_slopes_"], "fwd": ["gated_gemm_fwd", "geglu_bwd_"],
@@ -260,7 +245,7 @@ def test_mlp_fused_vs_cublas_path_vs_reference(fm, mode, monkeypatch, dtype, act
     x = x.view(3, 100, h)
     dy = torch.randn(3, 100, h, device="cuda", dtype=dtype)
     mode(fused)
-    called = spy_ops(fm, monkeypatch)
+    called = spy_mlp_ops(fm, monkeypatch)
     y_on, dx_on, dw_on = mlp_grads(fm, x, (wg, wu, wd), act, dy)
     assert called == MLP_OPS[fused], called  # the fused kernels of this mode ran
     with torch.no_grad():

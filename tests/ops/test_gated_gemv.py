@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule
+from _utils import assert_2x_rule, spy_mlp_ops
 from conftest import CUDA
 
 SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
@@ -212,22 +212,6 @@ def test_opcheck(fm):
 # ---- gated_mlp through it ------------------------------------------------------------------------------------------
 
 
-def spy_ops(fm, monkeypatch) -> list[str]:
-    """Record the ops gated_mlp (geglu.py) calls, by name."""
-    import sys
-
-    mod = sys.modules[fm._decode.__name__.rsplit(".", 1)[0] + ".gated_mlp"]
-    real, called = mod.ops, []
-
-    class Recorder:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(mod, "ops", Recorder())
-    return called
-
-
 @needs_gpu
 @pytest.mark.parametrize("act", ACTS)
 def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
@@ -235,7 +219,7 @@ def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
     monkeypatch.delenv(TUNE, raising=False)
     (wg, wu, wd), w32 = weights(2056, 5128, 2056, torch.bfloat16)
     x = tokens(12, 2056, torch.bfloat16, seed=3).view(2, 6, 2056)
-    called = spy_ops(fm, monkeypatch)
+    called = spy_mlp_ops(fm, monkeypatch)
     with torch.no_grad():
         y = fm.gated_mlp(x, wg, wu, wd, activation=act)
     assert called == ["gated_mlp_decode"], called
