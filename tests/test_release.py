@@ -26,7 +26,10 @@ from build_config import BuildConfigError, check_includes, load_build_config  # 
 GOOD = (ROOT / "build.toml").read_text()
 CFG = load_build_config(ROOT / "build.toml")
 TORCH_TAG = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])
-CPU_VARIANT = f"{TORCH_TAG}-cxx11-cpu-x86_64-linux"
+# The CPU variant this torch loads: kernel-builder's stable-ABI one (what tools/build.py builds by default), else the
+# per-torch one.
+CPU_VARIANT = next((d.name for pattern in ("torch-stable-abi*-cpu-*-linux", f"{TORCH_TAG}-cxx11-cpu-*-linux")
+                    for d in sorted((ROOT / "build").glob(pattern)) if (d / "metadata.json").exists()), "")
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
 
 
@@ -283,7 +286,8 @@ def nix_source_set(dst: Path) -> Path:
 
 
 def test_nix_test_closure_runs_the_kernels_ci_tests(tmp_path):
-    variant_dirs = [d for d in (ROOT / "build").glob(f"{TORCH_TAG}-*") if (d / "metadata.json").exists()]
+    variant_dirs = [d for pattern in (f"{TORCH_TAG}-*", "torch-stable-abi*") for d in (ROOT / "build").glob(pattern)
+                    if (d / "metadata.json").exists()]
     if not variant_dirs:
         pytest.skip("nothing built for this torch")
     src = nix_source_set(tmp_path / "src")
