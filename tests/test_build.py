@@ -330,3 +330,61 @@ def test_abi_check_is_skipped_without_kernel_abi_check(tmp_path, monkeypatch, ca
     with pytest.raises(build.BuildError, match="kernel-abi-check is not installed"):
         build.abi_check(tmp_path, strict=True)
 
+
+# ---- tools/cross_compile_check.py: aarch64-linux ----------------------------------------------------------------
+
+CROSS_CXX = "aarch64-linux-gnu-g++"
+
+
+def cross_tool():
+    import cross_compile_check
+
+    return cross_compile_check
+
+
+def test_cross_compile_plan_covers_every_source_and_abi(tmp_path):
+    """Every compiled source of each variant, per-torch and stable ABI, with the build's own flags and the cross
+    compiler (as nvcc's host compiler for the .cu files); and an object that is not aarch64 code is refused."""
+    cross, build = cross_tool(), build_tool()
+    cfg = load_build_config(ROOT / "build.toml")
+    backends = ["cpu"] + (["cuda"] if build.find_cuda()[0] is not None else [])
+    jobs, notes = cross.plan(cfg, CROSS_CXX, backends, "all", ["9.0", "9.0a"], tmp_path)
+    want = {(b, m, s) for b in backends for m in (None, cfg.stable_abi[b]) for s in build.compiled_sources(cfg, b)}
+    assert {(j.backend, j.stable_abi, j.src) for j in jobs} == want
+    for j in jobs:
+        stable = any(f.startswith("-DTORCH_TARGET_VERSION=") for f in j.cmd)
+        assert stable == (j.stable_abi is not None), j.label
+        if j.src.suffix == ".cu":
+            assert f"-ccbin={CROSS_CXX}" in j.cmd and j.cmd[0] == build.find_cuda()[0]
+        else:
+            assert j.cmd[0] == CROSS_CXX and "-std=c++20" in j.cmd
+        assert j.cmd[-4:] == ["-c", str(j.src), "-o", str(j.obj)]
+    if "cuda" in backends:
+        assert notes and f"-ccbin {CROSS_CXX}" in notes[0]
+
+    if shutil.which("g++") is None:
+        return
+    src = tmp_path / "probe.cpp"
+    src.write_text("int fused_mlp_probe(int x) { return x + 1; }\n")
+    host = cross.Job("cpu", None, ROOT / "kernels_src" / "cpu" / "addmm.cpp",
+                     ["g++", "-c", str(src), "-o", str(tmp_path / "probe.o")], tmp_path / "probe.o")
+    _, problem, _ = cross.run_job(host)
+    assert problem is not None and "is not aarch64 code" in problem
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CXX) is None, reason=f"{CROSS_CXX} not installed (tools/setup.sh installs it)")
+def test_cross_compile_check_catches_x86_only_code(tmp_path):
+    """geglu.cpp compiles for aarch64; x86-only code without an `#if defined(__x86_64__)` guard is reported."""
+    ok = subprocess.run([sys.executable, str(ROOT / "tools" / "cross_compile_check.py"), "--backend", "cpu", "--abi",
+                         "stable", "--source", "kernels_src/cpu/geglu.cpp"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+    assert ok.returncode == 0 and "all 1 compiles produced aarch64-linux code" in ok.stdout, ok.stdout + ok.stderr
+    root = copy_tree(tmp_path)
+    addmm = root / "kernels_src" / "cpu" / "addmm.cpp"
+    addmm.write_text(addmm.read_text() + '\n__attribute__((target("avx2"))) int fused_mlp_probe(int x) { return x; }\n')
+    bad = subprocess.run([sys.executable, str(root / "tools" / "cross_compile_check.py"), "--backend", "cpu", "--abi",
+                          "torch", "--source", "kernels_src/cpu/addmm.cpp"], cwd=root, capture_output=True, text=True,
+                         timeout=900)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "kernels_src/cpu/addmm.cpp (cpu, per-torch) does not compile for aarch64-linux" in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("fused-mlp cross-compile error: 1 of 1 compiles failed")
