@@ -331,6 +331,50 @@ def test_abi_check_is_skipped_without_kernel_abi_check(tmp_path, monkeypatch, ca
         build.abi_check(tmp_path, strict=True)
 
 
+# ---- tools/setup.sh: the virtual environment ---------------------------------------------------------------------
+
+
+def test_setup_creates_an_isolated_venv_and_builds_with_it(tmp_path):
+    """tools/setup.sh makes .venv/ when it is missing (no system site-packages: a package the requirements forget
+    fails everywhere), installs the requirements into it and builds with its interpreter (FUSED_MLP_ABI passed on
+    as --abi); a second run reuses it; a venv that sees the system site-packages is refused. The installs and the
+    build are stand-ins here (the real ones are what CI runs)."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy2(ROOT / "tools" / "setup.sh", tmp_path / "tools" / "setup.sh")
+    (tmp_path / "tools" / "requirements.txt").write_text("pip\n")  # in every venv: installs without a download
+    (tmp_path / "tools" / "build.py").write_text(
+        "import json, sys\nopen('build-call.json', 'w').write(json.dumps([sys.prefix, sys.argv[1:]]))\n")
+    fake_bin = tmp_path / "bin"  # the system tools "are installed": no apt-get from a test
+    fake_bin.mkdir()
+    for tool in ("aarch64-linux-gnu-g++", "jq"):
+        (fake_bin / tool).write_text("#!/bin/sh\nexit 0\n")
+        (fake_bin / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    env.pop("FUSED_MLP_ABI", None)
+    env.pop("VIRTUAL_ENV", None)
+
+    def setup(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "tools/setup.sh"], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=600)
+
+    proc = setup()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = tmp_path / ".venv"
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    prefix, args = json.loads((tmp_path / "build-call.json").read_text())
+    assert Path(prefix) == venv and args == ["--abi-check"]
+    (venv / "marker").write_text("")
+    proc = setup(FUSED_MLP_ABI="all")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (venv / "marker").exists(), "an existing .venv must be reused"
+    assert json.loads((tmp_path / "build-call.json").read_text())[1] == ["--abi-check", "--abi", "all"]
+
+    shutil.rmtree(venv)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    proc = setup()
+    assert proc.returncode == 1 and "system site-packages" in proc.stderr, proc.stdout + proc.stderr
+
+
 # ---- tools/cross_compile_check.py: aarch64-linux ----------------------------------------------------------------
 
 CROSS_CXX = "aarch64-linux-gnu-g++"

@@ -5,6 +5,7 @@ Everything here runs offline on the CPU variant; nothing compiles CUDA code."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -99,11 +100,13 @@ def test_requirements_pin_the_release_checkers():
     assert re.search(r"^kernel-abi-check==\S+", reqs, re.M)
 
 
-@pytest.mark.skipif(shutil.which("check-jsonschema") is None,
+@pytest.mark.skipif(importlib.util.find_spec("check_jsonschema") is None,
                     reason="check-jsonschema not installed (pip install -r tools/requirements.txt)")
 def test_workflows_pass_the_github_schema():
     assert WORKFLOWS, "no workflow files"
-    proc = run(["check-jsonschema", "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)])
+    # through this interpreter: a virtual environment's scripts are not on PATH unless it is activated
+    proc = run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows",
+                *map(str, WORKFLOWS)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -263,7 +266,8 @@ def test_every_built_extension_passes_the_abi_check():
 def test_ci_run_gates_on_the_abi_of_every_variant():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci
-    assert re.search(r"^python3 tools/abi_check\.py build\b", ci, re.M), ".ci/run must check every .so under build/"
+    assert re.search(r'^"\$PY" tools/abi_check\.py build\b', ci, re.M), ".ci/run must check every .so under build/"
+    assert re.search(r'^PY="\$VENV/bin/python"$', ci, re.M) and re.search(r"^VENV=\.venv$", ci, re.M)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -366,3 +370,44 @@ def test_hub_tree_refuses_a_tampered_variant(tmp_path):
     assert any("digest mismatch" in line for line in err), proc.stderr
     assert "kernel-builder upload" not in proc.stdout
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# .ci/run: the README's test command in a virtual environment the run creates
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ci_tree(tmp_path: Path, command: str, setup: str) -> Path:
+    """A checkout holding .ci/run, a README whose test command is `command`, and a stand-in tools/setup.sh."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy2(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "README.md").write_text(f"# x\n\n<!-- ci:test-command -->\n```bash\n{command}\n```\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "setup.sh").write_text(f"set -e\n{setup}\n")
+    return tmp_path
+
+
+def _ci_run(root: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "VIRTUAL_ENV")}
+    return subprocess.run(["bash", ".ci/run"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ci_run_wants_the_readme_command_to_use_the_venv(tmp_path):
+    root = _ci_tree(tmp_path, "bash tools/setup.sh && python -m pytest tests -q", "true")
+    proc = _ci_run(root)
+    assert proc.returncode == 1
+    assert "does not run the tests with .venv/bin/python" in proc.stderr, proc.stdout + proc.stderr
+    assert "CI: finished in" in proc.stdout
+
+
+def test_ci_run_refuses_a_venv_with_system_site_packages(tmp_path):
+    """The README command must build its environment from nothing: a .venv that sees the machine's packages would
+    hide a missing install step. .ci/run also removes a .venv left from before, so the command has to create it."""
+    setup = f'[ ! -e .venv ] || exit 7\n"{sys.executable}" -m venv --without-pip --system-site-packages .venv'
+    root = _ci_tree(tmp_path, "bash tools/setup.sh && .venv/bin/python -c pass", setup)
+    (root / ".venv").mkdir()
+    (root / ".venv" / "stale").write_text("")
+    proc = _ci_run(root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "removing .venv" in proc.stdout
+    assert ".venv sees the system site-packages" in proc.stderr, proc.stdout + proc.stderr
