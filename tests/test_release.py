@@ -110,12 +110,20 @@ def test_workflows_pass_the_github_schema():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_workflow_follows_kernels_community_shape():
+def _workflow() -> dict:
     yaml = pytest.importorskip("yaml")
-    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "build.yaml").read_text())
+    return yaml.safe_load((ROOT / ".github" / "workflows" / "build.yaml").read_text())
+
+
+def test_workflow_follows_kernels_community_shape():
+    wf = _workflow()
     text = (ROOT / ".github" / "workflows" / "build.yaml").read_text()
-    build = wf["jobs"]["build"]
-    assert set(build["strategy"]["matrix"]["backend"]) == set(CFG.backends)
+    jobs = wf["jobs"]
+    build = jobs["build"]
+    # the build matrix comes from the flake, through the matrix job's output
+    assert build["needs"] == "matrix" or build["needs"] == ["matrix"]
+    assert build["strategy"]["matrix"] == "${{ fromJSON(needs.matrix.outputs.matrix) }}"
+    assert build["runs-on"] == "${{ matrix.runner }}"
     steps = build["steps"]
     uses = [s.get("uses", "") for s in steps]
     cachix = next(s for s in steps if s.get("uses", "").startswith("cachix/cachix-action"))
@@ -129,9 +137,76 @@ def test_workflow_follows_kernels_community_shape():
     abi = next(s for s in steps if "tools/abi_check.py build" in s.get("run", ""))
     assert "if" not in abi, "the ABI check must run for pull requests too"
     assert "cosign sign-blob" in run_text
-    assert wf["jobs"]["test"]["steps"][-1]["run"].strip().endswith("./result/bin/ci-test")
+    # kernel-builder's test closure on a GPU runner (a runner group; GitHub's ubuntu-* runners have no GPU), for
+    # pull requests and pushes alike
+    test = jobs["test"]
+    assert isinstance(test["runs-on"], dict) and test["runs-on"].get("group"), test["runs-on"]
+    assert "if" not in test
+    assert any("nvidia-smi" in s.get("run", "") for s in test["steps"])
+    assert test["steps"][-1]["run"].strip().endswith("./result/bin/ci-test")
+    # the upload waits for every build of the matrix (both platforms) and for the GPU tests
+    upload = jobs["upload"]
+    assert {"matrix", "build", "test"} <= set(upload["needs"])
     assert wf["env"]["REPO_ID"] == CFG.hub_repo_id
     assert text.count("upload --repo-type kernel --repo-id \"$REPO_ID\"") == 2
+
+
+def _step(job: str, pred) -> dict:
+    return next(s for s in _workflow()["jobs"][job]["steps"] if pred(s))
+
+
+def _fake_nix(tmp_path: Path, backends: dict[str, str]) -> Path:
+    """A `nix` stand-in answering `nix eval --json .#backendCi --apply builtins.attrNames --system <platform>`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    cases = "".join(f"    {arch}) echo '{out}'; exit 0;;\n" for arch, out in backends.items())
+    nix = bindir / "nix"
+    nix.write_text('#!/bin/sh\ncase "$*" in\n  "eval --json .#backendCi --apply builtins.attrNames --system "*)\n'
+                   '    case "$7" in\n' + cases + "    esac;;\nesac\necho \"unexpected: nix $*\" >&2\nexit 2\n")
+    nix.chmod(0o755)
+    return bindir
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq not installed (GitHub's runners have it)")
+@pytest.mark.parametrize("arm", ['["cpu","cuda"]', '["cpu"]'])
+def test_workflow_matrix_comes_from_the_flake(tmp_path, arm):
+    """The matrix job, run with a stand-in nix: one (backend, platform) entry per backend the flake offers on each
+    platform, and a failure when a platform lacks one of build.toml's backends (it would be missing from the Hub)."""
+    step = _step("matrix", lambda s: s.get("id") == "matrix")
+    shutil.copy2(ROOT / "build.toml", tmp_path / "build.toml")
+    (tmp_path / "out").write_text("")
+    bindir = _fake_nix(tmp_path, {"x86_64-linux": '["cpu","cuda"]', "aarch64-linux": arm})
+    proc = run(["bash", "-c", step["run"]], cwd=tmp_path,
+               env={"PATH": f"{bindir}:{os.environ['PATH']}", "GITHUB_OUTPUT": str(tmp_path / "out")})
+    if arm != '["cpu","cuda"]':
+        assert proc.returncode != 0 and "::error::" in proc.stdout, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    matrix = json.loads((tmp_path / "out").read_text().strip().removeprefix("matrix="))
+    got = {(e["backend"], e["arch"]) for e in matrix["include"]}
+    assert got == {(b, a) for b in CFG.backends for a in ("x86_64-linux", "aarch64-linux")}
+    assert {e["runner"] for e in matrix["include"] if e["arch"] == "aarch64-linux"} == {"ubuntu-24.04-arm"}
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq not installed (GitHub's runners have it)")
+def test_upload_needs_every_backend_of_both_platforms(tmp_path):
+    step = _step("upload", lambda s: s.get("name") == "Every backend of both platforms is here")
+    pairs = [(b, a) for a in ("x86_64-linux", "aarch64-linux") for b in CFG.backends]
+    matrix = json.dumps({"include": [{"backend": b, "arch": a} for b, a in pairs]})
+
+    def check(variants: list[str], m: str = matrix) -> subprocess.CompletedProcess:
+        shutil.rmtree(tmp_path / "build", ignore_errors=True)
+        for v in variants:
+            (tmp_path / "build" / v).mkdir(parents=True)
+        return run(["bash", "-c", step["run"]], cwd=tmp_path, env={"MATRIX": m})
+
+    names = [f"torch-stable-abi210-{'cu130' if b == 'cuda' else b}-{a}" for b, a in pairs]
+    assert check(names).returncode == 0
+    proc = check([n for n in names if not n.endswith("cu130-aarch64-linux")])
+    assert proc.returncode != 0 and "no cuda variant for aarch64-linux" in proc.stdout
+    x86_only = json.dumps({"include": [{"backend": b, "arch": a} for b, a in pairs if a == "x86_64-linux"]})
+    proc = check(names, x86_only)
+    assert proc.returncode != 0 and "no aarch64-linux build in the matrix" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------
