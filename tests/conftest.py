@@ -39,6 +39,7 @@ settings.register_profile("dev", max_examples=300, deadline=None, derandomize=Fa
                           suppress_health_check=_HEALTH, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+TORCH_TAG = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])  # a per-torch variant's prefix
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")
@@ -47,9 +48,9 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on t
 @functools.lru_cache(maxsize=None)
 def variant_root(kind: str | None = None) -> Path:
     """The repository root `kernels` loads from, or a stand-in holding only one kind of variant of this checkout's
-    build/ (symlinks): "stable" (torch-stable-abi*), "torch" (the per-torch torch<XY>-cxx11-* ones) or one variant
-    directory's name. Default: FUSED_MLP_VARIANT, unset = everything built (`kernels` then prefers the stable-ABI
-    variant, as users get it)."""
+    build/ (symlinks): "stable" (torch-stable-abi*), "torch" (the per-torch torch<XY>-cxx11-* ones of the running
+    torch) or one variant directory's name. Default: FUSED_MLP_VARIANT, unset = everything built (`kernels` then
+    prefers the stable-ABI variant, as users get it)."""
     kind = kind if kind is not None else os.environ.get("FUSED_MLP_VARIANT", "")
     if not kind:
         return ROOT
@@ -57,8 +58,10 @@ def variant_root(kind: str | None = None) -> Path:
     if not build.is_dir():  # kernel-builder's test closure: no build/ here, LOCAL_KERNELS names the variant
         return ROOT
     names = sorted(d.name for d in build.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if kind in ("stable", "torch"):
-        picked = [n for n in names if n.startswith("torch-stable-abi") == (kind == "stable")]
+    if kind == "stable":
+        picked = [n for n in names if n.startswith("torch-stable-abi")]
+    elif kind == "torch":
+        picked = [n for n in names if n.startswith(f"{TORCH_TAG}-cxx11-")]
     else:
         picked = [n for n in names if n == kind]
     if not picked:

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Non-Nix build of the fused-mlp kernel: reads build.toml, writes build/<variant>/ like kernel-builder.
 
-    python tools/build.py                     # every variant this machine can build
+    python tools/build.py                     # the variants kernel-builder builds, for every backend this machine can
     python tools/build.py --backend cpu       # only the CPU variant
     FUSED_MLP_CUDA_CAPABILITIES=9.0 python tools/build.py --backend cuda   # quick CUDA build
+    python tools/build.py --abi all           # also the per-torch variants (the tests that compare the two builds)
 
-What it produces, per variant (`torch<XY>-cxx11-cpu-x86_64-linux`, `torch<XY>-cxx11-cu<VER>-x86_64-linux`):
+The variant set is kernel-builder's: for a backend that build.toml's `[torch.stable-abi]` names, only the stable-ABI
+variant (`torch-stable-abi210-cpu-<arch>-linux`, `torch-stable-abi210-cu<VER>-<arch>-linux`: one binary for every
+torch >= 2.10); for any other backend the per-torch one (`torch<XY>-cxx11-cpu-<arch>-linux`, ...). `--abi torch`
+builds the per-torch variants instead, `--abi all` both. Each variant holds
 the Python package from torch-ext/fused_mlp/, a generated `_ops.py`, an abi3 extension module
 `_fused_mlp_<backend>_<hash>.abi3.so` whose op namespace is the same unique name, and `metadata.json`.
 Compilation goes through ninja (incremental, header dependencies tracked) with the include and library paths
@@ -21,6 +25,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -162,6 +167,12 @@ def find_cublaslt(cuda_home: Path) -> tuple[Path, Path, str]:
 # --------------------------------------------------------------------------------------------------------
 
 
+def host_arch() -> str:
+    """The variant-name platform of this machine: `x86_64-linux`, `aarch64-linux`."""
+    machine = platform.machine().lower()
+    return f"{ {'amd64': 'x86_64', 'arm64': 'aarch64'}.get(machine, machine)}-linux"
+
+
 def stable_tag(version: str) -> str:
     """`torch-stable-abi210` for "2.10" (the `kernels` loader's name for a stable-ABI variant)."""
     major, minor = version.split(".")[:2]
@@ -174,20 +185,27 @@ def stable_define(version: str) -> str:
     return f"-DTORCH_TARGET_VERSION=0x{major:02X}{minor:02X}000000000000"
 
 
-def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "all") -> list[Variant]:
-    """The variants to build: per-torch (`torch<XY>-cxx11-...`, abi "torch" or "all") and, where build.toml sets
-    `[torch.stable-abi]` for the backend, stable-ABI ones (`torch-stable-abi<XY>-...`, abi "stable" or "all")."""
+ABI_CHOICES = ("auto", "torch", "stable", "all")
+
+
+def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "auto") -> list[Variant]:
+    """The variants to build. abi "auto" is kernel-builder's set: the stable-ABI variant (`torch-stable-abi<XY>-...`)
+    for a backend that build.toml's `[torch.stable-abi]` names, else the per-torch one (`torch<XY>-cxx11-...`);
+    "torch": per-torch only; "stable": stable-ABI only; "all": both."""
+    if abi not in ABI_CHOICES:
+        raise BuildError(f"unknown ABI selection {abi!r} (one of {', '.join(ABI_CHOICES)})")
     torch = _torch()
     tag = torch_tag(torch)
+    plat = host_arch()
     want_cpu = requested in ("auto", "all", "cpu")
     want_cuda = requested in ("auto", "all", "cuda")
     variants: list[Variant] = []
 
     def add(backend: str, arch: str, caps: list[str] | None = None) -> None:
-        if abi in ("torch", "all"):
-            variants.append(Variant(backend, f"{tag}-cxx11-{arch}", capabilities=list(caps or [])))
         target = cfg.stable_abi.get(backend)
-        if abi in ("stable", "all") and target is not None:
+        if abi in ("torch", "all") or (abi == "auto" and target is None):
+            variants.append(Variant(backend, f"{tag}-cxx11-{arch}", capabilities=list(caps or [])))
+        if abi in ("stable", "all", "auto") and target is not None:
             have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
             if have < tuple(int(p) for p in target.split(".")[:2]):
                 raise BuildError(f"the stable-ABI variant targets torch {target} but torch {torch.__version__} is "
@@ -200,7 +218,7 @@ def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "a
     if want_cpu:
         if "cpu" not in cfg.backends:
             raise BuildError("build.toml does not list the cpu backend")
-        add("cpu", "cpu-x86_64-linux")
+        add("cpu", f"cpu-{plat}")
     if want_cuda and "cuda" in cfg.backends:
         explicit = requested in ("cuda", "all")
         if torch.version.cuda is None:
@@ -218,7 +236,7 @@ def plan_variants(cfg: BuildConfig, requested: str, tc: Toolchain, abi: str = "a
                     "the major versions must match for the variant to load"
                 )
             caps = narrow_capabilities(cfg.cuda_capabilities())
-            add("cuda", f"cu{t_major}{t_minor}-x86_64-linux", caps)
+            add("cuda", f"cu{t_major}{t_minor}-{plat}", caps)
     elif requested == "cuda":
         raise BuildError("build.toml does not list the cuda backend")
     return variants
@@ -346,6 +364,17 @@ def torch_nvcc_flags() -> list[str]:
     return [f for f in COMMON_NVCC_FLAGS if f not in drop] + ["-DENABLE_FP8"]
 
 
+def nvcc_std_flags(torch, stable_abi: str | None) -> list[str]:
+    """nvcc's -std. kernel-builder passes none (nvcc's default, C++17) and builds only the stable-ABI variants when
+    build.toml sets [torch.stable-abi], so those compile the .cu files, our headers and torch's header-only API as
+    C++17. A per-torch variant includes ATen/c10, which torch >= 2.12 writes in C++20 (c10/util/intrusive_ptr.h
+    declares operator<=>; torch's own extension builds pass -std=c++20 to nvcc): there, C++20."""
+    if stable_abi is not None:
+        return []
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return ["-std=c++20"] if (major, minor) >= (2, 12) else []
+
+
 def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: list[str],
                   extra_cuda_includes: list[Path] | None = None, stable_abi: str | None = None) -> CompileFlags:
     """Compiler and linker flags of a `backend` variant built with toolchain `tc` for `capabilities`.
@@ -379,9 +408,9 @@ def compile_flags(cfg: BuildConfig, backend: str, tc: Toolchain, capabilities: l
         if blas_inc != tc.cuda_home / "include":
             sys_inc.append(f"-isystem {blas_inc}")
         libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{tc.cuda_home / 'lib64'}", "-lcudart", f"-L{blas_lib}", blas_link]
-        nvcc = (["-O3", "-std=c++20", "-lineinfo", "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden",
-                 f"-ccbin={tc.cxx}"] + torch_nvcc_flags() + gencode_flags(capabilities) + cfg.cuda_flags()
-                + defs + first + sys_inc)
+        nvcc = (["-O3", *nvcc_std_flags(torch, stable_abi), "-lineinfo", "-Xcompiler=-fPIC",
+                 "-Xcompiler=-fvisibility=hidden", f"-ccbin={tc.cxx}"] + torch_nvcc_flags() + gencode_flags(capabilities)
+                + cfg.cuda_flags() + defs + first + sys_inc)
     return CompileFlags(cxx=cxx + defs + sys_inc + cfg.cxx_flags(), nvcc=nvcc,
                         ldflags=["-shared", "-fopenmp"] + libs + libstdcxx_link_flags(tc.cxx))
 
@@ -537,19 +566,22 @@ def variant_digest(variant_dir: Path) -> dict | None:
 
 
 def metadata_for(cfg: BuildConfig, v: Variant) -> dict:
+    """metadata.json as kernel-builder writes it (kernels-data Metadata::for_backend, serialised in its field order):
+    `upstream` and `source` only when build.toml's [general] sets them, `kernel-depends` always, `backend.archs`
+    for CUDA as the sorted set of the capabilities compiled (add_build_metadata.py: sorted(set(archs)))."""
     backend: dict = {"type": v.backend}
     if v.backend == "cuda":
-        backend["archs"] = list(v.capabilities)
-    return {
-        "id": v.namespace,
-        "name": cfg.name,
-        "version": cfg.version,
-        "license": cfg.license,
-        "upstream": cfg.hub_repo_id and f"https://huggingface.co/{cfg.hub_repo_id}",
-        "kernels-minver": KERNELS_MINVER,
-        "python-depends": cfg.python_depends,
-        "backend": backend,
-    }
+        backend["archs"] = sorted(set(v.capabilities))
+    meta: dict = {"name": cfg.name, "id": v.namespace, "version": cfg.version, "license": cfg.license,
+                  "kernels-minver": KERNELS_MINVER}
+    if cfg.upstream is not None:
+        meta["upstream"] = cfg.upstream
+    if cfg.source is not None:
+        meta["source"] = cfg.source
+    meta["python-depends"] = cfg.python_depends_for(v.backend)
+    meta["kernel-depends"] = cfg.kernel_depends_for(v.backend)
+    meta["backend"] = backend
+    return meta
 
 
 def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jobs: int | None, verbose: bool) -> Path:
@@ -639,9 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["auto", "all", "cpu", "cuda"], default="auto",
                     help="auto: cpu, plus cuda when torch is a CUDA build and nvcc exists (default); "
                          "all/cuda: fail if cuda cannot be built")
-    ap.add_argument("--abi", choices=["all", "torch", "stable"], default="all",
-                    help="torch: the per-torch variants (torch<XY>-cxx11-*); stable: the stable-ABI variants "
-                         "(torch-stable-abi<XY>-*, one binary for every torch >= the target); all: both (default)")
+    ap.add_argument("--abi", choices=ABI_CHOICES, default="auto",
+                    help="auto: what kernel-builder builds, the stable-ABI variant (torch-stable-abi<XY>-*, one binary "
+                         "for every torch >= the target) for each backend build.toml's [torch.stable-abi] names, the "
+                         "per-torch one (torch<XY>-cxx11-*) otherwise (default); torch: the per-torch variants; "
+                         "stable: the stable-ABI variants; all: both")
     ap.add_argument("--out", type=Path, default=ROOT / "build", help="output directory (default: build/)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: ninja's)")
     ap.add_argument("--abi-check", action="store_true", help="fail if kernel-abi-check reports a problem")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,15 +22,19 @@ ALL_BACKENDS = {"cpu", "cuda", "metal", "rocm", "xpu"}  # what kernel-builder's 
 
 GENERAL_KEYS = {"name", "version", "edition", "license", "backends", "hub", "python-depends", "kernel-depends",
                 "upstream", "source", "cuda"}
-GENERAL_CUDA_KEYS = {"minver", "maxver", "python-depends"}
-GENERAL_BACKEND_KEYS = {"python-depends"}  # [general.xpu] / [general.neuron] / [general.tpu]
+GENERAL_CUDA_KEYS = {"minver", "maxver", "python-depends", "kernel-depends"}
 HUB_KEYS = {"repo-id", "branch"}
 TORCH_KEYS = {"src", "include", "pyext", "minver", "maxver", "cxx-flags", "stable-abi"}
 KERNEL_KEYS_ANY = {"backend", "src", "depends", "include", "cxx-flags"}
 KERNEL_KEYS_CUDA = KERNEL_KEYS_ANY | {"cuda-capabilities", "cuda-flags", "cuda-minver"}
 EDITION = 5
-# `python-depends` may only name packages kernel-builder knows.
-KNOWN_PYTHON_DEPENDS = {"einops", "helion", "tvm-ffi", "nvidia-cutlass-dsl"}
+# `python-depends` may only name packages kernel-builder knows (kernels-data/src/python_dependencies.json): these
+# in [general], backend-specific ones in [general.<backend>].
+KNOWN_PYTHON_DEPENDS = {"einops", "helion", "tvm-ffi"}
+KNOWN_CUDA_PYTHON_DEPENDS = {"nvidia-cutlass-dsl"}
+KERNEL_DEPENDS_KEYS = {"repo-id", "version", "revision"}
+# kernel-builder's GitUrl: a URL with one of these schemes, or scp-like `user@host:path`.
+GIT_URL_SCHEMES = ("https", "http", "git", "ssh", "git+ssh", "git+https", "git+http")
 TOP_KEYS = {"general", "torch", "kernel"}
 CAPABILITY_RE = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 # kernel-builder's `depends` values (kernels-data/src/config/deps.rs).
@@ -84,10 +89,24 @@ class BuildConfig:
     hub_branch: str | None = None
     # backend -> the oldest torch ("2.10") its stable-ABI variant targets; empty: no stable-ABI variant
     stable_abi: dict[str, str] = field(default_factory=dict)
+    upstream: str | None = None  # git URL of the repository the kernels' code comes from
+    source: str | None = None  # git URL of the kernel-builder source repository (build.toml, flake.nix)
+    cuda_python_depends: list[str] = field(default_factory=list)
+    # {"repo-id": ..., "version": N} or {"repo-id": ..., "revision": "..."}, as kernel-builder serialises them
+    kernel_depends: list[dict] = field(default_factory=list)
+    cuda_kernel_depends: list[dict] = field(default_factory=list)
 
     @property
     def python_name(self) -> str:
         return self.name.replace("-", "_")
+
+    def python_depends_for(self, backend: str) -> list[str]:
+        """[general] python-depends, then the backend's own (kernel-builder's all_python_depends)."""
+        return self.python_depends + (self.cuda_python_depends if backend == "cuda" else [])
+
+    def kernel_depends_for(self, backend: str) -> list[dict]:
+        """[general] kernel-depends, then the backend's own (kernel-builder's all_kernel_depends)."""
+        return self.kernel_depends + (self.cuda_kernel_depends if backend == "cuda" else [])
 
     def sources_for(self, backend: str) -> list[Path]:
         """Files compiled into a variant, as kernel-builder does it: the [torch] sources and the kernels whose
@@ -186,7 +205,11 @@ def load_build_config(path: Path) -> BuildConfig:
     python_depends = _str_list(general.get("python-depends", []), "[general] python-depends")
     for dep in python_depends:
         if dep not in KNOWN_PYTHON_DEPENDS:
-            raise BuildConfigError(f"[general] python-depends: {dep!r} is not a dependency kernel-builder knows")
+            raise BuildConfigError(f"[general] python-depends: {dep!r} is not a dependency kernel-builder knows "
+                                   f"(known: {sorted(KNOWN_PYTHON_DEPENDS)})")
+    kernel_depends = _kernel_depends(general.get("kernel-depends", []), "[general] kernel-depends")
+    upstream = _git_url(general.get("upstream"), "[general] upstream")
+    source = _git_url(general.get("source"), "[general] source")
     hub_branch = hub.get("branch")
     if hub_branch is not None and (not isinstance(hub_branch, str) or not hub_branch):
         raise BuildConfigError(f"[general.hub] branch {hub_branch!r} must be a non-empty string")
@@ -196,9 +219,12 @@ def load_build_config(path: Path) -> BuildConfig:
     _check_keys(gcuda, GENERAL_CUDA_KEYS, "[general.cuda]")
     for key in ("minver", "maxver"):
         _version2(gcuda.get(key), f"[general.cuda] {key}")
-    for dep in _str_list(gcuda.get("python-depends", []), "[general.cuda] python-depends"):
-        if dep not in KNOWN_PYTHON_DEPENDS:
-            raise BuildConfigError(f"[general.cuda] python-depends: {dep!r} is not a dependency kernel-builder knows")
+    cuda_python_depends = _str_list(gcuda.get("python-depends", []), "[general.cuda] python-depends")
+    for dep in cuda_python_depends:
+        if dep not in KNOWN_CUDA_PYTHON_DEPENDS:
+            raise BuildConfigError(f"[general.cuda] python-depends: {dep!r} is not a CUDA dependency kernel-builder "
+                                   f"knows (known: {sorted(KNOWN_CUDA_PYTHON_DEPENDS)})")
+    cuda_kernel_depends = _kernel_depends(gcuda.get("kernel-depends", []), "[general.cuda] kernel-depends")
 
     torch_t = data.get("torch")
     if not isinstance(torch_t, dict):
@@ -274,7 +300,9 @@ def load_build_config(path: Path) -> BuildConfig:
             raise BuildConfigError(f"[general] backends lists {b!r} but no [kernel.*] section has backend {b!r}")
     return BuildConfig(root=root, name=name, version=version, license=license_, backends=backends,
                        hub_repo_id=repo_id, python_depends=python_depends, torch_src=torch_src, kernels=kernels,
-                       torch_include=torch_include, hub_branch=hub_branch, stable_abi=stable_abi)
+                       torch_include=torch_include, hub_branch=hub_branch, stable_abi=stable_abi, upstream=upstream,
+                       source=source, cuda_python_depends=cuda_python_depends, kernel_depends=kernel_depends,
+                       cuda_kernel_depends=cuda_kernel_depends)
 
 
 def _cap_key(c: str) -> tuple[int, ...]:
@@ -284,6 +312,48 @@ def _cap_key(c: str) -> tuple[int, ...]:
 def _version2(value, where: str) -> None:
     if value is not None and (not isinstance(value, str) or not VERSION2_RE.match(value)):
         raise BuildConfigError(f"{where} {value!r} must be a version like \"2.10\"")
+
+
+def _git_url(value, where: str) -> str | None:
+    """kernel-builder's GitUrl: something `git clone` accepts, a URL with a git scheme or scp-like `git@host:org/repo`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise BuildConfigError(f"{where} {value!r} must be a git URL (e.g. https://github.com/org/repo)")
+    parsed = urlsplit(value)
+    if parsed.scheme:
+        if parsed.scheme not in GIT_URL_SCHEMES or not parsed.netloc:
+            raise BuildConfigError(f"{where} {value!r}: not a git URL (schemes: {', '.join(GIT_URL_SCHEMES)})")
+        return value
+    host, sep, path = value.partition(":")
+    if not sep or not host or not path or path.startswith("/"):
+        raise BuildConfigError(f"{where} {value!r} must be a git URL (e.g. https://github.com/org/repo)")
+    return value
+
+
+def _kernel_depends(value, where: str) -> list[dict]:
+    """Kernel dependencies: tables with `repo-id` and exactly one of `version` (int) or `revision` (str)."""
+    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
+        raise BuildConfigError(f"{where} must be a list of tables {{ repo-id = \"org/name\", version = 1 }}")
+    out = []
+    for d in value:
+        _check_keys(d, KERNEL_DEPENDS_KEYS, where)
+        repo_id = d.get("repo-id")
+        if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+            raise BuildConfigError(f"{where}: repo-id {repo_id!r} must look like 'org/name'")
+        if ("version" in d) == ("revision" in d):
+            raise BuildConfigError(f"{where}: {repo_id}: give exactly one of `version` and `revision`")
+        if "version" in d:
+            v = d["version"]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise BuildConfigError(f"{where}: {repo_id}: version must be a non-negative integer, got {v!r}")
+            out.append({"repo-id": repo_id, "version": v})
+        else:
+            r = d["revision"]
+            if not isinstance(r, str) or not r:
+                raise BuildConfigError(f"{where}: {repo_id}: revision must be a non-empty string")
+            out.append({"repo-id": repo_id, "revision": r})
+    return out
 
 
 def _dir(root: Path, rel: str, where: str) -> Path:

@@ -207,15 +207,28 @@ def get_kernel_problems(cfg: BuildConfig, variants: list[Path], cache: Path) -> 
 
     tag = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])
     cu = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else None
+    have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     problems = []
-    for v in variants:
-        backend = json.loads((v / "metadata.json").read_text())["backend"]["type"]
+
+    def loadable(v: Path, backend: str, stable: bool) -> bool:
+        """A per-torch variant loads under its own torch only, a stable-ABI one under every torch >= its target."""
         m = VARIANT_RE.match(v.name)
-        loadable = m and (m.group(1) and f"torch{m.group(1)}{m.group(2)}" == tag) and (
-            backend == "cpu" or (cu is not None and m.group(5) == cu))
-        if not loadable:
+        if not m or (m.group(3) is not None) != stable:
+            return False
+        torch_ok = have >= (int(m.group(3)), int(m.group(4))) if stable else f"torch{m.group(1)}{m.group(2)}" == tag
+        return torch_ok and (backend == "cpu" or (cu is not None and m.group(5) == cu))
+
+    backends = {v: json.loads((v / "metadata.json").read_text())["backend"]["type"] for v in variants}
+    stable_backends = {b for v, b in backends.items() if loadable(v, b, True)}
+    for v in variants:
+        backend = backends[v]
+        if not (loadable(v, backend, True) or loadable(v, backend, False)):
             print(f"[hub-tree] get_kernel: {v.name} is not loadable with the installed torch {torch.__version__}; "
                   "skipped")
+            continue
+        if not loadable(v, backend, True) and backend in stable_backends:
+            print(f"[hub-tree] get_kernel: {v.name} is shadowed by the stable-ABI {backend} variant, which `kernels` "
+                  "prefers; skipped")
             continue
         code = NO_NETWORK + textwrap.dedent(f"""
             import torch, kernels

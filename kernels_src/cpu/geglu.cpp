@@ -14,7 +14,8 @@
 //                       <= 7e-7 for |z| <= 3 in fp32). The x < 0 tail is computed directly (no 1 + erf(x)
 //                       cancellation), and phi(x) = exp(-z^2)/sqrt(2 pi) reuses the same exp.
 //   SiLU                silu(x) = x * sigmoid(x), silu'(x) = sigmoid(x) + x * sigmoid'(x).
-// Each loop is compiled twice: baseline x86-64 (SSE2) and AVX2+FMA, picked once at run time.
+// On x86-64 each loop is compiled twice, baseline (SSE2, no FMA) and AVX2+FMA, picked once at run time; on other
+// targets (aarch64: Advanced SIMD and FMA are baseline) once, for the target itself.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -269,30 +270,46 @@ FM_INLINE void bwd_span(const TD* dh, const T* gate, const T* up, TD* h_out, T* 
   }
 }
 
+#if defined(__x86_64__)
+// The copy for x86-64 CPUs with AVX2 and FMA (the x86-64 baseline has no FMA instruction).
+#define FM_FAST_COPY __attribute__((target("avx2,fma")))
+constexpr bool kFastCopyFma = true;
+
+bool cpu_has_fast_copy() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+#else
+// Other targets: the target's own code generation; fused multiply-adds where the target has them in hardware
+// (every aarch64 CPU), otherwise __builtin_fmaf would be a libm call per element.
+#define FM_FAST_COPY
+#if defined(__FP_FAST_FMAF)
+constexpr bool kFastCopyFma = true;
+#else
+constexpr bool kFastCopyFma = false;
+#endif
+
+constexpr bool cpu_has_fast_copy() { return true; }
+#endif
+
 template <Act A, typename T>
-__attribute__((target("avx2,fma"))) void fwd_span_avx2(const T* gate, const T* up, T* out, int64_t n) {
-  fwd_span<A, true>(gate, up, out, n);
+FM_FAST_COPY void fwd_span_fast(const T* gate, const T* up, T* out, int64_t n) {
+  fwd_span<A, kFastCopyFma>(gate, up, out, n);
 }
 template <Act A, typename T>
 void fwd_span_base(const T* gate, const T* up, T* out, int64_t n) {
   fwd_span<A, false>(gate, up, out, n);
 }
 template <Act A, bool kWriteH, typename T, typename TD>
-__attribute__((target("avx2,fma"))) void bwd_span_avx2(const TD* dh, const T* gate, const T* up, TD* h_out,
-                                                       T* dgate, T* dup, int64_t n) {
-  bwd_span<A, true, kWriteH>(dh, gate, up, h_out, dgate, dup, n);
+FM_FAST_COPY void bwd_span_fast(const TD* dh, const T* gate, const T* up, TD* h_out, T* dgate, T* dup, int64_t n) {
+  bwd_span<A, kFastCopyFma, kWriteH>(dh, gate, up, h_out, dgate, dup, n);
 }
 template <Act A, bool kWriteH, typename T, typename TD>
 void bwd_span_base(const TD* dh, const T* gate, const T* up, TD* h_out, T* dgate, T* dup, int64_t n) {
   bwd_span<A, false, kWriteH>(dh, gate, up, h_out, dgate, dup, n);
-}
-
-bool cpu_has_avx2_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
 }
 
 // Work split: (row, column block) tasks; a task is at most kColBlock elements so that a few long rows (decode:
@@ -385,7 +402,7 @@ void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, co
              const Tensor& dgate, const Tensor& dup) {
   const int64_t rows = gate.size(0), cols = gate.size(1);
   if (rows == 0 || cols == 0) return;  // nothing to do (for_each_span's own early exit; dtypes are checked)
-  const bool avx2 = cpu_has_avx2_fma();
+  const bool fast = cpu_has_fast_copy();
   const RowsView dh_v = rows_view(dh), gate_v = rows_view(gate), up_v = rows_view(up);
   const RowsView h_v = kWriteH ? rows_view(h_out) : RowsView{nullptr, 0};
   const RowsView dgate_v = rows_view(dgate), dup_v = rows_view(dup);
@@ -402,7 +419,7 @@ void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, co
           TD* h = kWriteH ? h_v.elem<TD>(r, c0) : nullptr;
           T* dg = dgate_v.elem<T>(r, c0);
           T* du = dup_v.elem<T>(r, c0);
-          if (avx2) bwd_span_avx2<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
+          if (fast) bwd_span_fast<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
           else bwd_span_base<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
         });
       };
@@ -423,7 +440,7 @@ Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation) {
   const int64_t rows = n_rows(gate), cols = n_cols(gate);
   Tensor out = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
   if (rows == 0 || cols == 0) return out;  // nothing to do (for_each_span's own early exit; dtypes are checked)
-  const bool avx2 = cpu_has_avx2_fma();
+  const bool fast = cpu_has_fast_copy();
   const RowsView gate_v = rows_view(gate), up_v = rows_view(up), out_v = rows_view(out);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
@@ -433,7 +450,7 @@ Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation) {
         const T* g = gate_v.elem<T>(r, c0);
         const T* u = up_v.elem<T>(r, c0);
         T* o = out_v.elem<T>(r, c0);
-        if (avx2) fwd_span_avx2<A, T>(g, u, o, n);
+        if (fast) fwd_span_fast<A, T>(g, u, o, n);
         else fwd_span_base<A, T>(g, u, o, n);
       });
     });

@@ -3,6 +3,7 @@ variant after a failed build. Builds run on a copy of the sources (CPU variant o
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -100,19 +101,19 @@ def test_missing_nvcc_is_one_line_error(tmp_path):
 
 def test_incremental_rebuild_and_failed_build_leaves_previous_variant(tmp_path):
     root = copy_tree(tmp_path)
-    first = run_build(root, "--backend", "cpu", "--abi", "torch")
+    first = run_build(root, "--backend", "cpu")
     assert first.returncode == 0, first.stderr
     variants = [d for d in (root / "build").iterdir() if d.is_dir()]
-    assert len(variants) == 1
+    assert [d.name for d in variants] == [f"torch-stable-abi210-cpu-{build_tool().host_arch()}"]
     before = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
 
-    again = run_build(root, "--backend", "cpu", "--abi", "torch")
+    again = run_build(root, "--backend", "cpu")
     assert again.returncode == 0 and "no work to do" in again.stdout
 
     # Break a kernel source: the build fails, and the previous variant is left exactly as it was.
     src = root / "kernels_src" / "cpu" / "rms_norm.cpp"
     src.write_text(src.read_text() + "\nthis is not C++;\n")
-    broken = run_build(root, "--backend", "cpu", "--abi", "torch")
+    broken = run_build(root, "--backend", "cpu")
     assert broken.returncode == 1
     assert broken.stderr.strip().splitlines()[-1].startswith("fused-mlp build error: compilation of")
     after = {p.name: p.read_bytes() for p in variants[0].iterdir() if p.is_file()}
@@ -170,24 +171,119 @@ def test_shared_libstdcxx_is_named_when_the_driver_lacks_it(tmp_path):
     assert build_tool.libstdcxx_link_flags(_fake_cxx(tmp_path / "d", set())) == []  # not libstdc++ at all
 
 
-def test_stable_abi_variants_planned_from_build_toml():
-    """build.toml's [torch.stable-abi] adds a torch-stable-abi<XY> variant per backend next to the per-torch one,
-    compiled with TORCH_TARGET_VERSION for that torch (what `kernels` 0.17 names and prefers)."""
-    sys.path.insert(0, str(ROOT / "tools"))
+def build_tool():
     import build
 
+    return build
+
+
+def test_stable_abi_variants_planned_from_build_toml(tmp_path):
+    """kernel-builder's variant set by default: with [torch.stable-abi] set for a backend, only its
+    torch-stable-abi<XY> variant (compiled with TORCH_TARGET_VERSION for that torch: what `kernels` 0.17 names and
+    prefers); a backend the table does not name gets the per-torch variant. The per-torch variants on request."""
+    build = build_tool()
     cfg = load_build_config(ROOT / "build.toml")
     assert cfg.stable_abi == {"cpu": "2.10", "cuda": "2.10"}
     tc = build.Toolchain(cxx="g++", nvcc=None, cuda_home=None, ninja="ninja")
-    tag = build.torch_tag(torch)
-    names = [v.name for v in build.plan_variants(cfg, "cpu", tc, "all")]
-    assert names == [f"{tag}-cxx11-cpu-x86_64-linux", "torch-stable-abi210-cpu-x86_64-linux"]
-    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "stable")] == names[1:]
-    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "torch")] == names[:1]
+    tag, arch = build.torch_tag(torch), build.host_arch()
+    both = [f"{tag}-cxx11-cpu-{arch}", f"torch-stable-abi210-cpu-{arch}"]
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc)] == both[1:]  # the default: "auto"
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "all")] == both
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "stable")] == both[1:]
+    assert [v.name for v in build.plan_variants(cfg, "cpu", tc, "torch")] == both[:1]
+    cuda_only = load_build_config(write_toml(tmp_path, GOOD.replace('cpu = "2.10"\n', "")))
+    assert cuda_only.stable_abi == {"cuda": "2.10"}
+    assert [v.name for v in build.plan_variants(cuda_only, "cpu", tc)] == both[:1]
     assert build.stable_define("2.10") == "-DTORCH_TARGET_VERSION=0x020A000000000000"
     flags = build.compile_flags(cfg, "cpu", tc, [], stable_abi="2.10")
     assert "-DTORCH_TARGET_VERSION=0x020A000000000000" in flags.cxx
     assert not any("TORCH_TARGET_VERSION" in f for f in build.compile_flags(cfg, "cpu", tc, []).cxx)
+
+
+def test_nvcc_standard_as_kernel_builder(monkeypatch):
+    """nvcc gets no -std (its default, C++17) for the stable-ABI variants, as kernel-builder builds them; a per-torch
+    variant includes ATen/c10, which torch >= 2.12 writes in C++20 (operator<=>), so there nvcc gets -std=c++20 as
+    torch's own extension builds give it. The host compiler is C++20 either way."""
+    build = build_tool()
+
+    class FakeTorch:
+        __version__ = "2.14.1+cu130"
+
+    assert build.nvcc_std_flags(FakeTorch, "2.10") == []
+    assert build.nvcc_std_flags(FakeTorch, None) == ["-std=c++20"]
+    FakeTorch.__version__ = "2.11.0"
+    assert build.nvcc_std_flags(FakeTorch, None) == []
+    nvcc, home = build.find_cuda()
+    if nvcc is None or torch.version.cuda is None:
+        pytest.skip("needs nvcc and a CUDA build of torch for the full flag set")
+    cfg = load_build_config(ROOT / "build.toml")
+    tc = build.Toolchain(cxx="g++", nvcc=nvcc, cuda_home=home, ninja="ninja")
+    stable = build.compile_flags(cfg, "cuda", tc, ["9.0"], stable_abi="2.10")
+    assert not any(f.startswith("-std") for f in stable.nvcc) and "-std=c++20" in stable.cxx
+    per_torch = build.compile_flags(cfg, "cuda", tc, ["9.0"])
+    assert [f for f in per_torch.nvcc if f.startswith("-std")] == build.nvcc_std_flags(torch, None)
+
+
+def _variant(build, backend: str, caps: list[str]):
+    v = build.Variant(backend, f"torch-stable-abi210-{backend}-x86_64-linux", capabilities=caps, stable_abi="2.10")
+    v.namespace = f"_fused_mlp_{backend}_0123456789"
+    return v
+
+
+def test_metadata_as_kernel_builder_writes_it(tmp_path):
+    """kernel-builder's fields, in its order; `upstream` (and `source`) only when build.toml's [general] sets them,
+    never the Hub URL; CUDA archs as the sorted set of the capabilities compiled; backend-specific dependencies only in
+    that backend's variant."""
+    build = build_tool()
+    cfg = load_build_config(ROOT / "build.toml")
+    meta = build.metadata_for(cfg, _variant(build, "cuda", ["9.0", "10.0", "8.0", "9.0a", "12.0"]))
+    assert list(meta) == ["name", "id", "version", "license", "kernels-minver", "python-depends", "kernel-depends",
+                          "backend"]
+    assert meta["backend"] == {"type": "cuda", "archs": ["10.0", "12.0", "8.0", "9.0", "9.0a"]}
+    assert "upstream" not in meta and "huggingface.co" not in json.dumps(meta)
+    assert build.metadata_for(cfg, _variant(build, "cpu", []))["backend"] == {"type": "cpu"}
+
+    text = GOOD.replace('license = "Apache-2.0"\n', 'license = "Apache-2.0"\nupstream = "https://github.com/org/kernels"\n'
+                        'source = "git@github.com:org/fused-mlp.git"\n'
+                        'kernel-depends = [{ repo-id = "kernels-community/activation", version = 1 }]\n')
+    text = text.replace("[general.hub]", '[general.cuda]\npython-depends = ["nvidia-cutlass-dsl"]\n'
+                        'kernel-depends = [{ repo-id = "org/dep", revision = "abc123" }]\n\n[general.hub]')
+    cfg = load_build_config(write_toml(tmp_path, text))
+    cuda = build.metadata_for(cfg, _variant(build, "cuda", ["9.0"]))
+    cpu = build.metadata_for(cfg, _variant(build, "cpu", []))
+    assert list(cuda)[:7] == ["name", "id", "version", "license", "kernels-minver", "upstream", "source"]
+    assert cuda["upstream"] == cpu["upstream"] == "https://github.com/org/kernels"
+    assert cuda["source"] == "git@github.com:org/fused-mlp.git"
+    assert cuda["python-depends"] == ["nvidia-cutlass-dsl"] and cpu["python-depends"] == []
+    assert cpu["kernel-depends"] == [{"repo-id": "kernels-community/activation", "version": 1}]
+    assert cuda["kernel-depends"] == cpu["kernel-depends"] + [{"repo-id": "org/dep", "revision": "abc123"}]
+    kernels_rust = pytest.importorskip("kernels._rust")  # the `kernels` loader accepts what we write
+    parsed = kernels_rust.Metadata.from_bytes(json.dumps(cuda).encode())
+    assert parsed.upstream == "https://github.com/org/kernels" and len(parsed.kernel_depends) == 2
+
+
+@pytest.mark.parametrize(
+    "general, message",
+    [
+        ('upstream = "https://huggingface.co/kernels-community/fused-mlp"', None),  # a URL kernel-builder accepts
+        ('upstream = "kernels-community/fused-mlp"', "must be a git URL"),
+        ('upstream = "ftp://example.org/repo"', "not a git URL"),
+        ('source = "/local/path"', "must be a git URL"),
+        ("upstream = 3", "must be a git URL"),
+        ('python-depends = ["nvidia-cutlass-dsl"]', "not a dependency kernel-builder knows"),  # CUDA-only
+        ('kernel-depends = [{ repo-id = "a/b" }]', "exactly one of `version` and `revision`"),
+        ('kernel-depends = [{ repo-id = "a/b", version = 1, revision = "x" }]', "exactly one of"),
+        ('kernel-depends = [{ repo-id = "ab", version = 1 }]', "must look like 'org/name'"),
+        ('kernel-depends = [{ repo-id = "a/b", version = 1, branch = "x" }]', "unknown key"),
+    ],
+)
+def test_general_metadata_keys_are_checked(tmp_path, general, message):
+    text = GOOD.replace('license = "Apache-2.0"\n', f'license = "Apache-2.0"\n{general}\n')
+    if message is None:
+        load_build_config(write_toml(tmp_path, text))
+        return
+    with pytest.raises(BuildConfigError, match=message):
+        load_build_config(write_toml(tmp_path, text))
 
 
 def test_per_source_capabilities_and_the_sm90a_kernel(monkeypatch):
@@ -233,3 +329,106 @@ def test_abi_check_is_skipped_without_kernel_abi_check(tmp_path, monkeypatch, ca
     assert "kernel-abi-check is not installed" in capsys.readouterr().out
     with pytest.raises(build.BuildError, match="kernel-abi-check is not installed"):
         build.abi_check(tmp_path, strict=True)
+
+
+# ---- tools/setup.sh: the virtual environment ---------------------------------------------------------------------
+
+
+def test_setup_creates_an_isolated_venv_and_builds_with_it(tmp_path):
+    """tools/setup.sh makes .venv/ when it is missing (no system site-packages: a package the requirements forget
+    fails everywhere), installs the requirements into it and builds with its interpreter (FUSED_MLP_ABI passed on
+    as --abi); a second run reuses it; a venv that sees the system site-packages is refused. The installs and the
+    build are stand-ins here (the real ones are what CI runs)."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy2(ROOT / "tools" / "setup.sh", tmp_path / "tools" / "setup.sh")
+    (tmp_path / "tools" / "requirements.txt").write_text("pip\n")  # in every venv: installs without a download
+    (tmp_path / "tools" / "build.py").write_text(
+        "import json, sys\nopen('build-call.json', 'w').write(json.dumps([sys.prefix, sys.argv[1:]]))\n")
+    fake_bin = tmp_path / "bin"  # the system tools "are installed": no apt-get from a test
+    fake_bin.mkdir()
+    for tool in ("aarch64-linux-gnu-g++", "jq"):
+        (fake_bin / tool).write_text("#!/bin/sh\nexit 0\n")
+        (fake_bin / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    env.pop("FUSED_MLP_ABI", None)
+    env.pop("VIRTUAL_ENV", None)
+
+    def setup(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "tools/setup.sh"], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=600)
+
+    proc = setup()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = tmp_path / ".venv"
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    prefix, args = json.loads((tmp_path / "build-call.json").read_text())
+    assert Path(prefix) == venv and args == ["--abi-check"]
+    (venv / "marker").write_text("")
+    proc = setup(FUSED_MLP_ABI="all")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (venv / "marker").exists(), "an existing .venv must be reused"
+    assert json.loads((tmp_path / "build-call.json").read_text())[1] == ["--abi-check", "--abi", "all"]
+
+    shutil.rmtree(venv)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    proc = setup()
+    assert proc.returncode == 1 and "system site-packages" in proc.stderr, proc.stdout + proc.stderr
+
+
+# ---- tools/cross_compile_check.py: aarch64-linux ----------------------------------------------------------------
+
+CROSS_CXX = "aarch64-linux-gnu-g++"
+
+
+def cross_tool():
+    import cross_compile_check
+
+    return cross_compile_check
+
+
+def test_cross_compile_plan_covers_every_source_and_abi(tmp_path):
+    """Every compiled source of each variant, per-torch and stable ABI, with the build's own flags and the cross
+    compiler (as nvcc's host compiler for the .cu files); and an object that is not aarch64 code is refused."""
+    cross, build = cross_tool(), build_tool()
+    cfg = load_build_config(ROOT / "build.toml")
+    backends = ["cpu"] + (["cuda"] if build.find_cuda()[0] is not None else [])
+    jobs, notes = cross.plan(cfg, CROSS_CXX, backends, "all", ["9.0", "9.0a"], tmp_path)
+    want = {(b, m, s) for b in backends for m in (None, cfg.stable_abi[b]) for s in build.compiled_sources(cfg, b)}
+    assert {(j.backend, j.stable_abi, j.src) for j in jobs} == want
+    for j in jobs:
+        stable = any(f.startswith("-DTORCH_TARGET_VERSION=") for f in j.cmd)
+        assert stable == (j.stable_abi is not None), j.label
+        if j.src.suffix == ".cu":
+            assert f"-ccbin={CROSS_CXX}" in j.cmd and j.cmd[0] == build.find_cuda()[0]
+        else:
+            assert j.cmd[0] == CROSS_CXX and "-std=c++20" in j.cmd
+        assert j.cmd[-4:] == ["-c", str(j.src), "-o", str(j.obj)]
+    if "cuda" in backends:
+        assert notes and f"-ccbin {CROSS_CXX}" in notes[0]
+
+    if shutil.which("g++") is None:
+        return
+    src = tmp_path / "probe.cpp"
+    src.write_text("int fused_mlp_probe(int x) { return x + 1; }\n")
+    host = cross.Job("cpu", None, ROOT / "kernels_src" / "cpu" / "addmm.cpp",
+                     ["g++", "-c", str(src), "-o", str(tmp_path / "probe.o")], tmp_path / "probe.o")
+    _, problem, _ = cross.run_job(host)
+    assert problem is not None and "is not aarch64 code" in problem
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CXX) is None, reason=f"{CROSS_CXX} not installed (tools/setup.sh installs it)")
+def test_cross_compile_check_catches_x86_only_code(tmp_path):
+    """geglu.cpp compiles for aarch64; x86-only code without an `#if defined(__x86_64__)` guard is reported."""
+    ok = subprocess.run([sys.executable, str(ROOT / "tools" / "cross_compile_check.py"), "--backend", "cpu", "--abi",
+                         "stable", "--source", "kernels_src/cpu/geglu.cpp"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+    assert ok.returncode == 0 and "all 1 compiles produced aarch64-linux code" in ok.stdout, ok.stdout + ok.stderr
+    root = copy_tree(tmp_path)
+    addmm = root / "kernels_src" / "cpu" / "addmm.cpp"
+    addmm.write_text(addmm.read_text() + '\n__attribute__((target("avx2"))) int fused_mlp_probe(int x) { return x; }\n')
+    bad = subprocess.run([sys.executable, str(root / "tools" / "cross_compile_check.py"), "--backend", "cpu", "--abi",
+                          "torch", "--source", "kernels_src/cpu/addmm.cpp"], cwd=root, capture_output=True, text=True,
+                         timeout=900)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "kernels_src/cpu/addmm.cpp (cpu, per-torch) does not compile for aarch64-linux" in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("fused-mlp cross-compile error: 1 of 1 compiles failed")

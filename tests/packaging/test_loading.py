@@ -9,22 +9,19 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO_ID, ROOT
+from conftest import REPO_ID, ROOT, TORCH_TAG
 
 BUILD = ROOT / "build"
-TORCH_TAG = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])
-CPU_VARIANT = f"{TORCH_TAG}-cxx11-cpu-x86_64-linux"
-CUDA_VARIANT = (
-    f"{TORCH_TAG}-cxx11-cu{torch.version.cuda.replace('.', '')}-x86_64-linux" if torch.version.cuda else None
-)
-HAS_CUDA_BUILD = CUDA_VARIANT is not None and (BUILD / CUDA_VARIANT).is_dir()
-# a stable-ABI CUDA variant (torch-stable-abi<XY>-cu<Z>-...) serves a CUDA torch too
-HAS_STABLE_CUDA_BUILD = torch.version.cuda is not None and any(BUILD.glob("torch-stable-abi*-cu*-x86_64-linux"))
+CUDA_TAG = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else None
+# A CUDA variant the installed torch can load: the per-torch one of this torch, or a stable-ABI one of its CUDA.
+HAS_CUDA_BUILD = CUDA_TAG is not None and (any(BUILD.glob(f"{TORCH_TAG}-cxx11-{CUDA_TAG}-*-linux"))
+                                           or any(BUILD.glob(f"torch-stable-abi*-{CUDA_TAG}-*-linux")))
 
 # Imported in child processes before anything else: any attempt to open a network connection fails loudly.
 NO_NETWORK = textwrap.dedent(
@@ -55,7 +52,7 @@ def test_local_kernel_cpu_backend(fm_cpu):
 
 
 def test_local_kernel_picks_variant_from_installed_torch(fm):
-    expected = "cuda" if HAS_CUDA_BUILD or HAS_STABLE_CUDA_BUILD else "cpu"
+    expected = "cuda" if HAS_CUDA_BUILD else "cpu"
     assert fm.__name__.startswith(f"_fused_mlp_{expected}_")
     # Whatever the variant, CPU tensors work: every variant registers the CPU implementation.
     assert fm.rms_norm(torch.randn(2, 8), torch.ones(8)).shape == (2, 8)
@@ -141,30 +138,70 @@ def test_two_builds_in_one_process(fm, fm_cpu):
     torch.testing.assert_close(fm.rms_norm(x, w), fm_cpu.rms_norm(x, w), rtol=0, atol=0)
 
 
+# The keys of kernel-builder's metadata.json (kernels-data Metadata; `kernels-minver` is read by kernels >= 0.17).
+METADATA_KEYS = {"name", "id", "version", "license", "kernels-minver", "upstream", "source", "python-depends",
+                 "kernel-depends", "backend", "digest", "provenance"}
+
+
 def test_metadata_and_digest():
     from kernels._rust import Digest, DigestAlgorithm, Metadata
 
+    general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
     variants = [d for d in BUILD.iterdir() if d.is_dir() and not d.name.startswith(".")]
     assert variants, "no variants built"
     for v in variants:
         meta = Metadata.read_from_file(v / "metadata.json")
         raw = json.loads((v / "metadata.json").read_text())
+        assert set(raw) <= METADATA_KEYS, set(raw) - METADATA_KEYS
         assert str(meta.name) == "fused-mlp" and meta.version == 1 and meta.license == "Apache-2.0"
         assert meta.id.startswith("_fused_mlp_") and (v / f"{meta.id}.abi3.so").exists()
+        # kernel-builder writes `upstream` (the repository the kernels' code comes from) only when build.toml has it
+        assert raw.get("upstream") == general.get("upstream") and raw.get("source") == general.get("source")
+        assert raw["kernel-depends"] == [] and raw["python-depends"] == []
         assert raw["backend"]["type"] in ("cpu", "cuda")
         if raw["backend"]["type"] == "cuda":
             assert meta.backend.archs and all(a in ("8.0", "9.0", "9.0a", "10.0", "12.0") for a in meta.backend.archs)
+            assert raw["backend"]["archs"] == sorted(set(raw["backend"]["archs"]))  # as kernel-builder writes them
+        else:
+            assert "archs" not in raw["backend"]
         assert meta.digest is not None
         meta.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, str(v)))
+
+
+def test_newer_torch_without_per_torch_variant_skips(tmp_path):
+    """A user on a newer torch than the build's (torch 2.15 with this 2.14 build) has the stable-ABI variants and
+    per-torch ones for another torch only: the stable variant loads, and the tests that compare it with a per-torch
+    build skip with a reason instead of failing in `kernels` ("Cannot find a build variant"). Simulated: a checkout
+    whose build/ holds this build's stable-ABI variants and its per-torch ones renamed to a torch that is not
+    installed."""
+    stable = sorted(d for d in BUILD.glob("torch-stable-abi*") if (d / "metadata.json").exists())
+    per_torch = sorted(d for d in BUILD.glob(f"{TORCH_TAG}-cxx11-*") if (d / "metadata.json").exists())
+    if not stable:
+        pytest.skip("no stable-ABI variant built")
+    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "build").mkdir()
+    for d in stable:
+        (tmp_path / "build" / d.name).symlink_to(d, target_is_directory=True)
+    for d in per_torch:  # built for "torch 2.99", which nobody runs
+        (tmp_path / "build" / d.name.replace(TORCH_TAG, "torch299", 1)).symlink_to(d, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "FUSED_MLP_VARIANT", "LOCAL_KERNELS")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "tests" / "test_variants.py"),
+                           str(tmp_path / "tests" / "test_loading.py") + "::test_local_kernel_picks_variant_from_installed_torch",
+                           "-p", "no:cacheprovider", "-q", "-rs"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    summary = out.strip().splitlines()[-1]
+    assert "1 passed" in summary and "skipped" in summary and "error" not in summary and "failed" not in summary, out
+    assert f"per-torch variant for torch {torch.__version__}" in out, out[-4000:]
 
 
 def test_kernels_info_accepts_the_build():
     pytest.importorskip("cryptography", reason="kernels' own dependencies (sigstore, cryptography) not installed")
     proc = subprocess.run([sys.executable, "-m", "kernels.cli", "info", str(ROOT)], capture_output=True, text=True)
     if proc.returncode != 0 and "No module named kernels.cli" in proc.stderr:
-        # the CLI sits next to the interpreter in a virtual environment that is not activated (CI runs .venv/bin/python)
-        beside = Path(sys.executable).parent / "kernels"
-        exe = str(beside) if beside.exists() else shutil.which("kernels")
+        # the script next to this interpreter first: a virtual environment's bin/ is on PATH only when activated
+        exe = next((str(c) for c in (Path(sys.executable).parent / "kernels",) if c.exists()), shutil.which("kernels"))
         assert exe, "the `kernels` CLI is not installed"
         proc = subprocess.run([exe, "info", str(ROOT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -5,6 +5,7 @@ Everything here runs offline on the CPU variant; nothing compiles CUDA code."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -26,7 +27,10 @@ from build_config import BuildConfigError, check_includes, load_build_config  # 
 GOOD = (ROOT / "build.toml").read_text()
 CFG = load_build_config(ROOT / "build.toml")
 TORCH_TAG = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])
-CPU_VARIANT = f"{TORCH_TAG}-cxx11-cpu-x86_64-linux"
+# The CPU variant this torch loads: kernel-builder's stable-ABI one (what tools/build.py builds by default), else the
+# per-torch one.
+CPU_VARIANT = next((d.name for pattern in ("torch-stable-abi*-cpu-*-linux", f"{TORCH_TAG}-cxx11-cpu-*-linux")
+                    for d in sorted((ROOT / "build").glob(pattern)) if (d / "metadata.json").exists()), "")
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
 
 
@@ -96,20 +100,30 @@ def test_requirements_pin_the_release_checkers():
     assert re.search(r"^kernel-abi-check==\S+", reqs, re.M)
 
 
-@pytest.mark.skipif(shutil.which("check-jsonschema") is None,
+@pytest.mark.skipif(importlib.util.find_spec("check_jsonschema") is None,
                     reason="check-jsonschema not installed (pip install -r tools/requirements.txt)")
 def test_workflows_pass_the_github_schema():
     assert WORKFLOWS, "no workflow files"
-    proc = run(["check-jsonschema", "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)])
+    # through this interpreter: a virtual environment's scripts are not on PATH unless it is activated
+    proc = run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows",
+                *map(str, WORKFLOWS)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_workflow_follows_kernels_community_shape():
+def _workflow() -> dict:
     yaml = pytest.importorskip("yaml")
-    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "build.yaml").read_text())
+    return yaml.safe_load((ROOT / ".github" / "workflows" / "build.yaml").read_text())
+
+
+def test_workflow_follows_kernels_community_shape():
+    wf = _workflow()
     text = (ROOT / ".github" / "workflows" / "build.yaml").read_text()
-    build = wf["jobs"]["build"]
-    assert set(build["strategy"]["matrix"]["backend"]) == set(CFG.backends)
+    jobs = wf["jobs"]
+    build = jobs["build"]
+    # the build matrix comes from the flake, through the matrix job's output
+    assert build["needs"] == "matrix" or build["needs"] == ["matrix"]
+    assert build["strategy"]["matrix"] == "${{ fromJSON(needs.matrix.outputs.matrix) }}"
+    assert build["runs-on"] == "${{ matrix.runner }}"
     steps = build["steps"]
     uses = [s.get("uses", "") for s in steps]
     cachix = next(s for s in steps if s.get("uses", "").startswith("cachix/cachix-action"))
@@ -123,9 +137,76 @@ def test_workflow_follows_kernels_community_shape():
     abi = next(s for s in steps if "tools/abi_check.py build" in s.get("run", ""))
     assert "if" not in abi, "the ABI check must run for pull requests too"
     assert "cosign sign-blob" in run_text
-    assert wf["jobs"]["test"]["steps"][-1]["run"].strip().endswith("./result/bin/ci-test")
+    # kernel-builder's test closure on a GPU runner (a runner group; GitHub's ubuntu-* runners have no GPU), for
+    # pull requests and pushes alike
+    test = jobs["test"]
+    assert isinstance(test["runs-on"], dict) and test["runs-on"].get("group"), test["runs-on"]
+    assert "if" not in test
+    assert any("nvidia-smi" in s.get("run", "") for s in test["steps"])
+    assert test["steps"][-1]["run"].strip().endswith("./result/bin/ci-test")
+    # the upload waits for every build of the matrix (both platforms) and for the GPU tests
+    upload = jobs["upload"]
+    assert {"matrix", "build", "test"} <= set(upload["needs"])
     assert wf["env"]["REPO_ID"] == CFG.hub_repo_id
     assert text.count("upload --repo-type kernel --repo-id \"$REPO_ID\"") == 2
+
+
+def _step(job: str, pred) -> dict:
+    return next(s for s in _workflow()["jobs"][job]["steps"] if pred(s))
+
+
+def _fake_nix(tmp_path: Path, backends: dict[str, str]) -> Path:
+    """A `nix` stand-in answering `nix eval --json .#backendCi --apply builtins.attrNames --system <platform>`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    cases = "".join(f"    {arch}) echo '{out}'; exit 0;;\n" for arch, out in backends.items())
+    nix = bindir / "nix"
+    nix.write_text('#!/bin/sh\ncase "$*" in\n  "eval --json .#backendCi --apply builtins.attrNames --system "*)\n'
+                   '    case "$7" in\n' + cases + "    esac;;\nesac\necho \"unexpected: nix $*\" >&2\nexit 2\n")
+    nix.chmod(0o755)
+    return bindir
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq not installed (GitHub's runners have it)")
+@pytest.mark.parametrize("arm", ['["cpu","cuda"]', '["cpu"]'])
+def test_workflow_matrix_comes_from_the_flake(tmp_path, arm):
+    """The matrix job, run with a stand-in nix: one (backend, platform) entry per backend the flake offers on each
+    platform, and a failure when a platform lacks one of build.toml's backends (it would be missing from the Hub)."""
+    step = _step("matrix", lambda s: s.get("id") == "matrix")
+    shutil.copy2(ROOT / "build.toml", tmp_path / "build.toml")
+    (tmp_path / "out").write_text("")
+    bindir = _fake_nix(tmp_path, {"x86_64-linux": '["cpu","cuda"]', "aarch64-linux": arm})
+    proc = run(["bash", "-c", step["run"]], cwd=tmp_path,
+               env={"PATH": f"{bindir}:{os.environ['PATH']}", "GITHUB_OUTPUT": str(tmp_path / "out")})
+    if arm != '["cpu","cuda"]':
+        assert proc.returncode != 0 and "::error::" in proc.stdout, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    matrix = json.loads((tmp_path / "out").read_text().strip().removeprefix("matrix="))
+    got = {(e["backend"], e["arch"]) for e in matrix["include"]}
+    assert got == {(b, a) for b in CFG.backends for a in ("x86_64-linux", "aarch64-linux")}
+    assert {e["runner"] for e in matrix["include"] if e["arch"] == "aarch64-linux"} == {"ubuntu-24.04-arm"}
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq not installed (GitHub's runners have it)")
+def test_upload_needs_every_backend_of_both_platforms(tmp_path):
+    step = _step("upload", lambda s: s.get("name") == "Every backend of both platforms is here")
+    pairs = [(b, a) for a in ("x86_64-linux", "aarch64-linux") for b in CFG.backends]
+    matrix = json.dumps({"include": [{"backend": b, "arch": a} for b, a in pairs]})
+
+    def check(variants: list[str], m: str = matrix) -> subprocess.CompletedProcess:
+        shutil.rmtree(tmp_path / "build", ignore_errors=True)
+        for v in variants:
+            (tmp_path / "build" / v).mkdir(parents=True)
+        return run(["bash", "-c", step["run"]], cwd=tmp_path, env={"MATRIX": m})
+
+    names = [f"torch-stable-abi210-{'cu130' if b == 'cuda' else b}-{a}" for b, a in pairs]
+    assert check(names).returncode == 0
+    proc = check([n for n in names if not n.endswith("cu130-aarch64-linux")])
+    assert proc.returncode != 0 and "no cuda variant for aarch64-linux" in proc.stdout
+    x86_only = json.dumps({"include": [{"backend": b, "arch": a} for b, a in pairs if a == "x86_64-linux"]})
+    proc = check(names, x86_only)
+    assert proc.returncode != 0 and "no aarch64-linux build in the matrix" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -260,7 +341,8 @@ def test_every_built_extension_passes_the_abi_check():
 def test_ci_run_gates_on_the_abi_of_every_variant():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci
-    assert re.search(r"^python3 tools/abi_check\.py build\b", ci, re.M), ".ci/run must check every .so under build/"
+    assert re.search(r'^"\$PY" tools/abi_check\.py build\b', ci, re.M), ".ci/run must check every .so under build/"
+    assert re.search(r'^PY="\$VENV/bin/python"$', ci, re.M) and re.search(r"^VENV=\.venv$", ci, re.M)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -283,7 +365,8 @@ def nix_source_set(dst: Path) -> Path:
 
 
 def test_nix_test_closure_runs_the_kernels_ci_tests(tmp_path):
-    variant_dirs = [d for d in (ROOT / "build").glob(f"{TORCH_TAG}-*") if (d / "metadata.json").exists()]
+    variant_dirs = [d for pattern in (f"{TORCH_TAG}-*", "torch-stable-abi*") for d in (ROOT / "build").glob(pattern)
+                    if (d / "metadata.json").exists()]
     if not variant_dirs:
         pytest.skip("nothing built for this torch")
     src = nix_source_set(tmp_path / "src")
@@ -362,3 +445,44 @@ def test_hub_tree_refuses_a_tampered_variant(tmp_path):
     assert any("digest mismatch" in line for line in err), proc.stderr
     assert "kernel-builder upload" not in proc.stdout
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# .ci/run: the README's test command in a virtual environment the run creates
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ci_tree(tmp_path: Path, command: str, setup: str) -> Path:
+    """A checkout holding .ci/run, a README whose test command is `command`, and a stand-in tools/setup.sh."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy2(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "README.md").write_text(f"# x\n\n<!-- ci:test-command -->\n```bash\n{command}\n```\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "setup.sh").write_text(f"set -e\n{setup}\n")
+    return tmp_path
+
+
+def _ci_run(root: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "VIRTUAL_ENV")}
+    return subprocess.run(["bash", ".ci/run"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ci_run_wants_the_readme_command_to_use_the_venv(tmp_path):
+    root = _ci_tree(tmp_path, "bash tools/setup.sh && python -m pytest tests -q", "true")
+    proc = _ci_run(root)
+    assert proc.returncode == 1
+    assert "does not run the tests with .venv/bin/python" in proc.stderr, proc.stdout + proc.stderr
+    assert "CI: finished in" in proc.stdout
+
+
+def test_ci_run_refuses_a_venv_with_system_site_packages(tmp_path):
+    """The README command must build its environment from nothing: a .venv that sees the machine's packages would
+    hide a missing install step. .ci/run also removes a .venv left from before, so the command has to create it."""
+    setup = f'[ ! -e .venv ] || exit 7\n"{sys.executable}" -m venv --without-pip --system-site-packages .venv'
+    root = _ci_tree(tmp_path, "bash tools/setup.sh && .venv/bin/python -c pass", setup)
+    (root / ".venv").mkdir()
+    (root / ".venv" / "stale").write_text("")
+    proc = _ci_run(root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "removing .venv" in proc.stdout
+    assert ".venv sees the system site-packages" in proc.stderr, proc.stdout + proc.stderr
