@@ -7,11 +7,11 @@
 The tree is what `kernel-builder upload` reads (kernel-builder/src/upload.rs):
     <out>/build.toml                 upload reads the repo id and the version from it
     <out>/build/<variant>/...        every built variant (flat: __init__.py, _ops.py, the .so, metadata.json)
-    <out>/build/CARD.md              uploaded as the repository's README.md (main branch): our README.md
+    <out>/build/CARD.md              uploaded as the repository's README.md (main branch): our CARD.md
     <out>/benchmarks/benchmark*.py   uploaded to the version branch (upload sends only these files)
     <out>/README.md                  the same card, for people browsing the tree
 Checks, all offline (any failure: one line per problem on stderr, exit status 1, no upload command):
-  * README.md's front matter is a kernels Hub card: `library_name: kernels`, the license of build.toml, tag `kernel`;
+  * CARD.md's front matter is a kernels Hub card: `library_name: kernels`, the license of build.toml, tag `kernel`;
   * every variant's metadata.json matches build.toml (name, version, license), names its extension module, and
     its sha256 digest matches the files (kernels' own Digest machinery, as `kernels` verification does);
   * `kernels info --json` accepts each variant and reports its backend;
@@ -73,26 +73,26 @@ def find_variants(build_dir: Path, only: list[str] | None) -> list[Path]:
     return found
 
 
-def card_problems(readme: Path, cfg: BuildConfig) -> list[str]:
-    """The README is the Hub card: YAML front matter as kernel-builder's card template and kernels-community
+def card_problems(card: Path, cfg: BuildConfig) -> list[str]:
+    """CARD.md is the Hub card: YAML front matter as kernel-builder's card template and kernels-community
     write it (library_name: kernels, license, tags including `kernel`)."""
-    text = readme.read_text()
+    text = card.read_text()
     if not text.startswith("---\n"):
-        return [f"{readme.name}: does not start with YAML front matter ('---')"]
+        return [f"{card.name}: does not start with YAML front matter ('---')"]
     from huggingface_hub.repocard import metadata_load  # the parser the Hub client uses
 
     try:
-        meta = metadata_load(readme) or {}
+        meta = metadata_load(card) or {}
     except Exception as e:  # noqa: BLE001 - reported as one line
-        return [f"{readme.name}: front matter is not valid YAML ({e})"]
+        return [f"{card.name}: front matter is not valid YAML ({e})"]
     problems = []
     if meta.get("library_name") != "kernels":
-        problems.append(f"{readme.name}: front matter needs `library_name: kernels` (got {meta.get('library_name')!r})")
+        problems.append(f"{card.name}: front matter needs `library_name: kernels` (got {meta.get('library_name')!r})")
     if str(meta.get("license", "")).lower() != cfg.license.lower():
-        problems.append(f"{readme.name}: front matter license {meta.get('license')!r} != build.toml's {cfg.license!r}")
+        problems.append(f"{card.name}: front matter license {meta.get('license')!r} != build.toml's {cfg.license!r}")
     tags = meta.get("tags") or []
     if not isinstance(tags, list) or "kernel" not in tags:
-        problems.append(f"{readme.name}: front matter tags {tags!r} must include 'kernel'")
+        problems.append(f"{card.name}: front matter tags {tags!r} must include 'kernel'")
     return problems
 
 
@@ -173,8 +173,8 @@ def assemble(cfg: BuildConfig, variants: list[Path], out: Path) -> None:
     build_out.mkdir(parents=True)
     for v in variants:
         shutil.copytree(v, build_out / v.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copy2(ROOT / "README.md", out / "README.md")
-    shutil.copy2(ROOT / "README.md", build_out / "CARD.md")
+    shutil.copy2(ROOT / "CARD.md", out / "README.md")
+    shutil.copy2(ROOT / "CARD.md", build_out / "CARD.md")
     shutil.copy2(ROOT / "build.toml", out / "build.toml")
     bench = ROOT / "benchmarks"
     if bench.is_dir():
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.is_relative_to(args.build.resolve()):
             raise TreeError("--out must not be inside the build tree")
         variants = find_variants(args.build, args.variant)
-        problems = card_problems(ROOT / "README.md", cfg) + benchmark_problems(ROOT / "benchmarks")
+        problems = card_problems(ROOT / "CARD.md", cfg) + benchmark_problems(ROOT / "benchmarks")
         for v in variants:
             problems += variant_problems(v, cfg)
         if problems:

@@ -133,7 +133,7 @@ def test_workflow_follows_kernels_community_shape():
     assert any(u.startswith("actions/setup-python") for u in uses)  # no pip into the runner's system Python
     run_text = "\n".join(s.get("run", "") for s in steps) + json.dumps([s.get("env", {}) for s in steps])
     assert "backendCi" in run_text and "backendBundle" in run_text
-    assert "cp -rL result build" in run_text and "build/CARD.md" in run_text
+    assert "cp -rL result build" in run_text and "cp CARD.md build/CARD.md" in run_text
     abi = next(s for s in steps if "tools/abi_check.py build" in s.get("run", ""))
     assert "if" not in abi, "the ABI check must run for pull requests too"
     assert "cosign sign-blob" in run_text
@@ -393,12 +393,12 @@ def hub_tree():
     return mod
 
 
-def test_readme_is_a_kernels_hub_card(hub_tree):
-    assert hub_tree.card_problems(ROOT / "README.md", CFG) == []
+def test_card_is_a_kernels_hub_card(hub_tree):
+    assert hub_tree.card_problems(ROOT / "CARD.md", CFG) == []
 
 
 def test_card_check_catches_a_bad_front_matter(hub_tree, tmp_path):
-    bad = tmp_path / "README.md"
+    bad = tmp_path / "CARD.md"
     bad.write_text("---\nlicense: mit\ntags:\n  - other\n---\n# x\n")
     problems = hub_tree.card_problems(bad, CFG)
     assert any("library_name" in p for p in problems)
@@ -423,6 +423,7 @@ def test_hub_tree_for_the_cpu_variant(tmp_path):
     assert not list(out.rglob("__pycache__"))
     assert f"kernels info ok: {CPU_VARIANT}" in proc.stdout
     assert f"get_kernel ok: {CPU_VARIANT} -> _fused_mlp_cpu_" in proc.stdout
+    assert (out / "build" / "CARD.md").read_text() == (ROOT / "CARD.md").read_text()
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == f"kernel-builder upload --repo-type kernel --repo-id {REPO_ID} {out}"
     assert lines[-1] == f"kernel-builder upload --repo-type kernel --repo-id {REPO_ID} --branch main {out}"
