@@ -4,6 +4,7 @@ gated_gemm_sm90.cu) vs torch.compile of the plain bf16 MLP, forward and forward+
 
     python benchmarks/epilogue.py --out benchmarks/results/nvidia-h200            # every shape (~3 min on an H200)
     python benchmarks/epilogue.py --quick --out /tmp/epi                          # T=4096, H=2048, I=16384 only
+    python benchmarks/epilogue.py --shapes llama --out /tmp/epi                   # Llama MLPs (SwiGLU), T 512-16384
 
 Providers (``FUSED_MLP_GEMM_EPILOGUE`` set per call): ``cublas`` (off: cuBLAS GEMMs + the activation kernels),
 ``epilogue`` (on: both fused kernels), ``epilogue_fwd`` / ``epilogue_bwd`` (fwd+bwd only: one of the two fused),
@@ -33,14 +34,19 @@ import bench_lib as bl  # noqa: E402
 FULL = [(2048, 16384, (512, 1024, 2048, 4096)), (3072, 24576, (512, 4096)), (4096, 14336, (512, 4096))]
 QUICK = [(2048, 16384, (4096,))]
 SMOKE = [(64, 96, (37,))]
+# The Llama family (SwiGLU): Llama-3.2-1B, Llama-3.2-3B, Llama-3-8B MLP shapes, prefill-sized token counts.
+LLAMA = [(2048, 8192, (512, 2048, 4096, 16384)), (3072, 8192, (512, 4096, 16384)), (4096, 14336, (512, 4096, 16384))]
 # The GEMM-epilogue targets (H200, bf16, T=4096, H=2048, I=16384): docs/targets.md#geglu-mlp-gemm-epilogue-kernels.
 TARGETS = {"fwd": 1.22, "fwd_bwd": 3.75}
 TARGET_PEAK_GB = 2.0
 
 
-def eager_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+def eager_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
+              act: str = "gelu_tanh") -> torch.Tensor:
     """The plain-PyTorch MLP in the model's dtype (what torch.compile is given; the module's forward)."""
-    return F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd)
+    g = F.linear(x, wg)
+    a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
+    return F.linear(a * F.linear(x, wu), wd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per shape (default 5)")
     ap.add_argument("--kernel", default=None, help="checkout path or Hub repo id (default: this checkout)")
+    ap.add_argument("--shapes", choices=["gemma", "llama"], default="gemma",
+                    help="gemma: the GeGLU shapes of the targets (default); llama: the Llama family's MLPs")
+    ap.add_argument("--activation", default=None, choices=["gelu_tanh", "gelu", "silu"],
+                    help="default: gelu_tanh for --shapes gemma, silu for llama")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script itself (on a CPU the "
                     "fused providers fall back to the cuBLAS path: only the script is checked)")
     args = ap.parse_args(argv)
@@ -61,16 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     fm = bl.load_kernel(args.kernel, backend=None if device == "cuda" else "cpu")
     env = bl.collect_env(device, fm)
     slug = bl.device_slug(env)
-    writer = bl.ResultWriter(args.out / "epilogue.csv", env, merge=False, mirror=bl.out_mirror(slug, "epilogue.csv"))
+    csv_name = "epilogue_llama.csv" if args.shapes == "llama" else "epilogue.csv"
+    writer = bl.ResultWriter(args.out / csv_name, env, merge=False, mirror=bl.out_mirror(slug, csv_name))
     timer = bl.Timer(device, warmup_ms=10.0, rep_ms=60.0)
     dtype = torch.bfloat16
-    act = "gelu_tanh"
+    act = args.activation or ("silu" if args.shapes == "llama" else "gelu_tanh")
     t_start = time.perf_counter()
     table = []
     # One compiled function for every shape (dynamic=True): two compilations in all (inference, training) instead
     # of two per shape, which keeps the whole run near 3 minutes.
     compiled = None if args.no_compile else torch.compile(eager_mlp, dynamic=True)
-    shapes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    shapes = SMOKE if args.smoke else LLAMA if args.shapes == "llama" else QUICK if args.quick else FULL
     for h, i, tokens in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         wg = torch.randn(i, h, device=device, generator=g).mul_(h ** -0.5).to(dtype).requires_grad_()
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             y32.backward(dy.float())
             dx32 = xr.grad
             xe = x.detach().clone().requires_grad_()
-            ye = eager_mlp(xe, wg, wu, wd)
+            ye = eager_mlp(xe, wg, wu, wd, act)
             ye.backward(dy)
             err_eager = {"fwd": bl.max_abs_err(ye, y32), "fwd_bwd": bl.max_abs_err(xe.grad, dx32)}
             for p in params:
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             providers = {"cublas": with_mode("off"), "epilogue": with_mode("on"),
                          "epilogue_fwd": with_mode("fwd"), "epilogue_bwd": with_mode("bwd")}
             if compiled is not None:
-                providers["torch_compile"] = lambda xx: compiled(xx, wg, wu, wd)
+                providers["torch_compile"] = lambda xx: compiled(xx, wg, wu, wd, act)
             shape = {"H": h, "I": i, "T": t}
             # Phase 1: per (provider, mode) a warm-up call (compilation happens there), the error and the peak.
             entries = []
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if (h, i, t) == (2048, 16384, 4096):
             line += f"   target <= {TARGETS[mode]} ms, peak <= {TARGET_PEAK_GB} GB"
         bl.log(line)
-    bl.log(f"\nwrote {args.out / 'epilogue.csv'} in {time.perf_counter() - t_start:.0f} s")
+    bl.log(f"\nwrote {args.out / csv_name} in {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

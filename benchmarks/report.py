@@ -140,16 +140,16 @@ TARGETS: list[dict[str, Any]] = [
          unit="x", text="GeGLU MLP inference fwd through the GEMM epilogue at H >= 4096, T >= 512 (0.99-1.04x the "
                         "cuBLAS path's time at T = 4096 over six runs: DISPATCH keeps the cuBLAS path there)", group=EPI),
     dict(id="epi-train-fwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd",
-         provider="epilogue_fwd", where={"T": (">=", 4096), "H": ("==", 2048)}, check="vs_provider_ge",
+         provider="epilogue_fwd", where={"T": (">=", 4096), "H": ("==", 2048), "I": (">=", 14336)}, check="vs_provider_ge",
          other="cublas", threshold=1.0, unit="x",
          text="GeGLU MLP training step with the fused forward (the cuBLAS backward): at least as fast as the cuBLAS "
-              "path where fused_mlp._epilogue.DISPATCH sends the training forward (H = 2048, T >= 4096)",
+              "path where fused_mlp._epilogue.DISPATCH sends the training forward (H = 2048, T >= 4096, I >= 14336)",
          group=EPI),
     dict(id="epi-train-bwd-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd",
-         provider="epilogue_bwd", where={"T": (">=", 4096), "H": ("between", 2048, 3072)}, check="vs_provider_ge",
+         provider="epilogue_bwd", where={"T": (">=", 4096), "H": ("between", 2048, 3072), "I": (">=", 14336)}, check="vs_provider_ge",
          other="cublas", threshold=1.0, unit="x",
          text="GeGLU MLP training step with the fused backward (the cuBLAS forward): at least as fast as the cuBLAS "
-              "path where fused_mlp._epilogue.DISPATCH sends the backward (T >= 4096, 2048 <= H <= 3072)",
+              "path where fused_mlp._epilogue.DISPATCH sends the backward (T >= 4096, 2048 <= H <= 3072, I >= 14336)",
          group=EPI),
     dict(id="epi-train-both-vs-cublas", device="cuda", op="gated_mlp_epilogue", mode="fwd_bwd", provider="epilogue",
          where={"T": (">=", 4096), "H": ("between", 2048, 3072)}, check="vs_provider_ge", other="cublas",

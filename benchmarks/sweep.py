@@ -58,7 +58,7 @@ from bench_lib import (  # noqa: E402
     Timer,
     Timing,
     collect_env,
-    cuda_graph_time,
+    cuda_graph_times,
     describe_exception,
     device_slug,
     load_kernel,
@@ -821,7 +821,8 @@ OPS: dict[str, OpSpec] = {op.name: op for op in (RMS_OP, ADD_OP, GEMMA_OP, _act_
 # fwd_graph: device time of one inference forward at decode sizes, by CUDA-graph replay
 # ---------------------------------------------------------------------------------------------------------------
 # A decode step is latency-bound: per-call host overhead hides the kernels in do_bench. Here each provider's forward
-# (no autograd) is captured 20 times in one CUDA graph and replayed (bench_lib.cuda_graph_time), so only device time
+# (no autograd) is captured 20 times in one CUDA graph and replayed (bench_lib.cuda_graph_times: the providers' graphs
+# warmed up, then replayed in interleaved rounds), so only device time
 # counts, as in a CUDA-graphed decode step (transformers' static cache + torch.compile). Providers: ours (the layer
 # forward kernelize installs, or the functional op), Inductor's code for the package's own fp32 definition
 # (``*_reference``: fp32 math, one rounding; torch.compile default mode, static shapes, no CUDA graphs of its own)
@@ -895,10 +896,13 @@ def sweep_row_key(row: dict[str, str]) -> tuple[str, ...]:
     return (row.get("op", ""), row.get("dtype", ""), "graph" if row.get("mode") == GRAPH_MODE else "")
 
 
-def _run_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.Tensor) -> dict[str, Any]:
+def _prepare_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider,
+                            ref: torch.Tensor) -> tuple[dict[str, Any], Callable[[], Any] | None]:
+    """(row fields, the forward to time) of one provider; the forward is None when it failed (row says why)."""
     base = dict(op=op.name, provider=prov.name, role=prov.role, source="measured", mode=GRAPH_MODE,
                 dtype=ctx.dtype_name, shape=shape_str(case.shape), **_shape_fields(case.shape),
-                note=f"CUDA graph of {GRAPH_CALLS} calls, {GRAPH_ROUNDS} replays; inference (no autograd)")
+                note=f"CUDA graph of {GRAPH_CALLS} calls, {GRAPH_ROUNDS} replays interleaved across providers; "
+                     "inference (no autograd)")
     try:
         with torch.no_grad():
             bound = prov.make(ctx, case)
@@ -908,14 +912,33 @@ def _run_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: t
             compile_s = time.perf_counter() - t0
             err = max_abs_err(_first(out), ref)
             del out
-            t = cuda_graph_time(bound.fwd, calls=GRAPH_CALLS, rounds=GRAPH_ROUNDS)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-        return dict(base, status=f"error: {describe_exception(e)}")
-    fields = _metric_fields(ctx, op, case, "fwd", t)
-    if math.isnan(fields.get("ceiling_value", math.nan)):  # a fwd_graph-only run measures no ceiling
-        for k in ("ceiling", "ceiling_value", "pct_of_ceiling"):
-            fields.pop(k, None)
-    return dict(base, status="ok", max_err=err, compile_s=compile_s if prov.name == "inductor" else None, **fields)
+        return dict(base, status=f"error: {describe_exception(e)}"), None
+    return dict(base, max_err=err, compile_s=compile_s if prov.name == "inductor" else None), bound.fwd
+
+
+def _run_graph_providers(ctx: Ctx, op: OpSpec, case: Case, providers: Sequence[Provider],
+                         ref: torch.Tensor) -> list[dict[str, Any]]:
+    """Every provider's fwd_graph row of one shape, timed in interleaved rounds (bench_lib.cuda_graph_times)."""
+    prepared = [_prepare_graph_provider(ctx, op, case, p, ref) for p in providers]
+    fns = {row["provider"]: fn for row, fn in prepared if fn is not None}
+    try:
+        with torch.no_grad():
+            times = cuda_graph_times(fns, calls=GRAPH_CALLS, rounds=GRAPH_ROUNDS) if fns else {}
+    except Exception as e:  # noqa: BLE001
+        return [dict(row, status=f"error: {describe_exception(e)}") if fn is not None else row
+                for row, fn in prepared]
+    rows = []
+    for row, fn in prepared:
+        if fn is None:
+            rows.append(row)
+            continue
+        fields = _metric_fields(ctx, op, case, "fwd", times[row["provider"]])
+        if math.isnan(fields.get("ceiling_value", math.nan)):  # a fwd_graph-only run measures no ceiling
+            for k in ("ceiling", "ceiling_value", "pct_of_ceiling"):
+                fields.pop(k, None)
+        rows.append(dict(row, status="ok", **fields))
+    return rows
 
 
 def run_graph_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
@@ -960,7 +983,7 @@ def run_graph_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
                        shape=shape_str(shape), **_shape_fields(shape), status=f"error: {describe_exception(e)}")
             _free(ctx)
             continue
-        rows = [_run_graph_provider(ctx, op, case, p, ref) for p in providers]
+        rows = _run_graph_providers(ctx, op, case, providers, ref)
         for r in rows:
             r["max_err_eager"] = eager_err
             if r["role"] == "ours" and r.get("max_err") is not None:

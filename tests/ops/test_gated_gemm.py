@@ -420,7 +420,8 @@ def test_dispatch_table_bounds(fm):
     assert ep.in_table("fwd", 4096, 16384, 2048) and ep.in_table("fwd", 512, 24576, 3072)
     assert not ep.in_table("fwd", 511, 16384, 2048)  # decode-sized: not measured
     assert not ep.in_table("fwd", 4096, 14336, 4096)  # measured no faster (1.00-1.04x the cuBLAS path)
-    assert not ep.in_table("fwd", 4096, 8192, 2048) and not ep.in_table("fwd", 4096, 16384, 1024)
+    assert ep.in_table("fwd", 512, 8192, 2048) and ep.in_table("fwd", 4096, 8192, 3072)  # the Llama family
+    assert not ep.in_table("fwd", 4096, 4096, 2048) and not ep.in_table("fwd", 4096, 16384, 1024)
     assert ep.in_table("fwd_train", 4096, 16384, 2048) and ep.in_table("fwd_train", 8192, 14336, 2048)
     assert not ep.in_table("fwd_train", 2048, 16384, 2048)  # measured either way
     assert not ep.in_table("fwd_train", 4096, 24576, 3072) and not ep.in_table("fwd_train", 4096, 14336, 4096)
@@ -431,7 +432,9 @@ def test_dispatch_table_bounds(fm):
     assert ep.in_table("train", 4096, 16384, 2048) and ep.in_table("train", 4096, 24576, 3072)
     assert not ep.in_table("train", 2048, 16384, 2048)  # measured either way
     assert not ep.in_table("train", 4096, 14336, 4096)  # 1.004-1.016
-    assert not ep.in_table("train", 4096, 8192, 2048) and not ep.in_table("train", 4096, 16384, 1024)
+    assert ep.in_table("train", 512, 8192, 2048) and ep.in_table("train", 16384, 8192, 3072)  # Llama-3.2 MLPs
+    assert not ep.in_table("train", 2048, 14336, 4096) and not ep.in_table("train", 4096, 4096, 2048)
+    assert not ep.in_table("train", 4096, 16384, 1024)
 
 
 def test_dispatch_table_matches_the_committed_measurement(fm):
@@ -442,8 +445,9 @@ def test_dispatch_table_matches_the_committed_measurement(fm):
 
     from conftest import ROOT
 
-    path = ROOT / "benchmarks" / "results" / "nvidia-h200" / "epilogue.csv"
-    rows = list(csv.DictReader(path.open()))
+    rows = []
+    for name in ("epilogue.csv", "epilogue_llama.csv"):  # GeGLU shapes; the Llama family (SwiGLU)
+        rows += list(csv.DictReader((ROOT / "benchmarks" / "results" / "nvidia-h200" / name).open()))
     time = {(r["provider"], r["mode"], int(r["H"]), int(r["I"]), int(r["T"])): float(r["time_p50_ms"])
             for r in rows if r["op"] == "gated_mlp_epilogue" and r["time_p50_ms"]}
     shapes = {k[2:] for k in time}

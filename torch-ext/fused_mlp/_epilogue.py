@@ -35,29 +35,31 @@ from ._common import statically_true as _known_true  # sizes decide without addi
 ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)
 
-# Dispatch table: pass -> (minimum tokens T, minimum I, minimum H, maximum H): the shapes on which the fused kernel
-# is used in `auto` mode. Passes: "fwd" (inference forward: h only), "train" (both training passes fused, the slopes
-# form: use_slopes), and where "train" does not apply, "fwd_train" (training forward: h, gate, up) and "bwd" each on
-# its own. A pass with no entry keeps the cuBLAS path; so do T < 512 and the sizes not benchmarked. The measurement:
-# benchmarks/results/nvidia-h200/epilogue.csv (tests/ops/test_gated_gemm.py checks the table against it); ratio = fused /
-# cuBLAS-path time on the H200. Every run, build and rejected variant: docs/tuning-log.md#gated-gemm-dispatch.
-DISPATCH: dict[str, tuple[int, int, int, int]] = {
-    # 0.920-0.987 at 2048 <= H <= 3072, T >= 512; H=4096 either way -- docs/tuning-log.md#gated-gemm-fwd
-    "fwd": (512, 14336, 2048, 3072),
+# Dispatch table: pass -> rules (minimum tokens T, minimum I, maximum I, minimum H, maximum H); a shape takes the
+# fused kernel in `auto` mode when any rule of its pass covers it. Passes: "fwd" (inference forward: h only), "train"
+# (both training passes fused, the slopes form: use_slopes), and where "train" does not apply, "fwd_train" (training
+# forward: h, gate, up) and "bwd" each on its own. A pass with no entry keeps the cuBLAS path; so do T < 512 and the
+# sizes not benchmarked. The measurement: benchmarks/results/nvidia-h200/epilogue.csv (GeGLU) and epilogue_llama.csv
+# (the Llama family, SwiGLU; tests/ops/test_gated_gemm.py checks the table against both); ratio = fused / cuBLAS-path
+# time on the H200. Every run, build and rejected variant: docs/tuning-log.md#gated-gemm-dispatch.
+_ANY_I = 1 << 30
+DISPATCH: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
+    # 0.69-0.98 at 2048 <= H <= 3072, I >= 8192, T >= 512; H=4096 either way -- docs/tuning-log.md#gated-gemm-fwd
+    "fwd": ((512, 8192, _ANY_I, 2048, 3072),),
     # fwd+bwd 0.975 at H=2048 T=4096; T=2048, H >= 3072 either way -- docs/tuning-log.md#gated-gemm-fwd-train
-    "fwd_train": (4096, 14336, 2048, 2048),
+    "fwd_train": ((4096, 14336, _ANY_I, 2048, 2048),),
     # fwd+bwd 0.980 / 0.994 at H=2048 / 3072, T=4096; T <= 2048, H=4096 either way -- docs/tuning-log.md#gated-gemm-bwd
-    "bwd": (4096, 14336, 2048, 3072),
-    # fwd+bwd 0.948 / 0.984 at H=2048 / 3072, T=4096 (the slopes form) -- docs/tuning-log.md#gated-gemm-train
-    "train": (4096, 14336, 2048, 3072),
+    "bwd": ((4096, 14336, _ANY_I, 2048, 3072),),
+    # fwd+bwd 0.948 / 0.984 at H=2048 / 3072, T=4096 (I >= 14336); 0.64-0.99 at I=8192 from T=512
+    # -- docs/tuning-log.md#gated-gemm-train
+    "train": ((4096, 14336, _ANY_I, 2048, 3072), (512, 8192, 8192, 2048, 3072)),
 }
 
 
 def in_table(pass_: str, t, i, h) -> bool:
     """Does DISPATCH select the fused kernel for this pass at [T, H] x [H, I]? (sizes may be symbolic)"""
-    rule = DISPATCH.get(pass_)
-    return (rule is not None and _known_true(t >= rule[0]) and _known_true(i >= rule[1])
-            and _known_true(h >= rule[2]) and _known_true(h <= rule[3]))
+    return any(_known_true(t >= r[0]) and _known_true(i >= r[1]) and _known_true(i <= r[2])
+               and _known_true(h >= r[3]) and _known_true(h <= r[4]) for r in DISPATCH.get(pass_, ()))
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
