@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""End-to-end benchmark: a stack of Gemma-2B-shaped (and Llama-3-8B-shaped) decoder layers from transformers configs
+"""End-to-end benchmark: a stack of Gemma-2B-shaped (and Llama-3-8B- and Llama-3.2-1B-shaped) decoder layers from transformers configs
 with random weights, bf16 -- training step (fwd + bwd of the LM loss) and prefill forward, for eager vs kernelized
 (``kernels.kernelize`` with ``LocalLayerRepository`` mappings for RMSNorm, GemmaRMSNorm, GeGLUMLP, Linear) vs
 ``torch.compile`` vs Liger-Kernel's patching; tokens/s and peak memory, rows in the sweep's CSV format.
 
-    python benchmarks/e2e.py                                 # GPU: 4 Gemma-2B layers + 4 Llama-3-8B layers, 2x2048
+    python benchmarks/e2e.py                                 # GPU: 4 layers each of Gemma-2B, Llama-3-8B, Llama-3.2-1B
     python benchmarks/e2e.py --models gemma2b --providers eager,ours,torch.compile,liger,ours+torch.compile
     python benchmarks/e2e.py --tiny                          # CPU smoke run with a tiny config (about a minute)
 
@@ -70,10 +70,12 @@ class ModelSpec:
 MODELS = {
     "gemma2b": ModelSpec("gemma2b", "gemma", 2048, 16384, 8, 1, 256, 4),
     "llama3_8b": ModelSpec("llama3_8b", "llama", 4096, 14336, 32, 8, 128, 4),
+    "llama3_2_1b": ModelSpec("llama3_2_1b", "llama", 2048, 8192, 32, 8, 64, 4),  # SwiGLU, the gated GEMMs' I=8192
 }
 TINY = {
     "gemma2b": ModelSpec("gemma2b", "gemma", 64, 256, 4, 1, 16, 2, vocab=256),
     "llama3_8b": ModelSpec("llama3_8b", "llama", 64, 224, 4, 2, 16, 2, vocab=256),
+    "llama3_2_1b": ModelSpec("llama3_2_1b", "llama", 64, 128, 4, 2, 16, 2, vocab=256),
 }
 
 
@@ -253,7 +255,7 @@ def _speedups(writer: ResultWriter, op: str) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gemma2b,llama3_8b", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--models", default="gemma2b,llama3_8b,llama3_2_1b", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--providers", default=None, help=f"comma list of {', '.join(PROVIDERS)} (default GPU: eager,ours,"
                    "torch.compile,liger; CPU: eager,ours)")
     p.add_argument("--kernel-layers", default=",".join(KERNEL_LAYERS), help="layer names kernelize maps to this "

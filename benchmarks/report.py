@@ -244,7 +244,18 @@ TARGETS: list[dict[str, Any]] = [
     *(dict(id=f"e2e-prefill-compiled-{op}", device="cuda", op=op, mode="prefill", provider="ours+torch.compile",
            where={}, check="vs_provider_ge", other="torch.compile", threshold=1.10, unit="x",
            text=f"prefill under torch.compile, {op}: kernelized and compiled >= 1.10x the plain compiled stack",
-           group=DECODE) for op in ("e2e_gemma2b", "e2e_llama3_8b")),
+           group=DECODE) for op in ("e2e_gemma2b", "e2e_llama3_8b", "e2e_llama3_2_1b")),
+    # The Llama family through the fused gated GEMMs (I = 8192 in _epilogue.DISPATCH): prefill of 2 x 2048 tokens.
+    dict(id="e2e-llama1b-prefill-eager", device="cuda", op="e2e_llama3_2_1b", mode="prefill", where={},
+         provider="ours", check="vs_provider_ge", other="eager", threshold=1.25, unit="x",
+         text="4 Llama-3.2-1B layers, prefill of 4096 tokens: kernelized >= 1.25x eager", group=E2E),
+    dict(id="e2e-llama1b-prefill-compiled", device="cuda", op="e2e_llama3_2_1b", mode="prefill", where={},
+         provider="ours", check="vs_provider_ge", other="torch.compile", threshold=1.15, unit="x",
+         text="4 Llama-3.2-1B layers, prefill of 4096 tokens: kernelized >= 1.15x the plain stack under torch.compile",
+         group=E2E),
+    dict(id="e2e-llama8b-step-compile", device="cuda", op="e2e_llama3_8b", mode="train_step", where={},
+         provider="ours", check="vs_provider_ge", other="torch.compile", threshold=1.05, unit="x",
+         text="4 Llama-3-8B layers, 2x2048 tokens: training step >= 1.05x torch.compile", group=E2E),
 ]
 
 
