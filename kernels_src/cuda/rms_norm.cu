@@ -11,7 +11,10 @@
 //               (registers + smem = a double buffer), whenever it fits and some block has a next group.
 //   fwd wide  — rows beyond the register budget, one row per block iteration: the row is cached in dynamic smem
 //               when it fits (one HBM read), else re-read from global (L2) in a second pass.
-//   bwd rows  — ONE pass over the rows: persistent grid; per row the row dot product, dx, and dW partial sums in
+//   bwd reg   — aligned rows (16-byte pointers / strides, N % VEC == 0) up to 1024 threads per row (bf16 N <= 8192):
+//               persistent grid, dW partial sums in REGISTERS, next row's loads issued before this row's reduction
+//               (kernels_src/cuda/rms_norm_bwd.cuh; FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy picks it or not).
+//   bwd rows  — ONE pass over the rows (the rest of the rows path): persistent grid; per row the row dot product, dx, and dW partial sums in
 //               smem owned by the thread (same columns every row); next row group prefetched; at the end the
 //               block sums its row slots in a fixed order and writes one fp32 partial row (or dW when grid == 1).
 //   bwd wide  — rows beyond that: two passes per row (the second from L2); dW partial row in smem when it fits,
@@ -31,6 +34,9 @@
 //       them -> ITERS <= 8.  Rows path: N <= 65536 (bf16/fp16), 32768 (fp32 or an fp32 residual stream).
 //     bwd holds h and dy packs: ITERS * VEC * (|h| + |dy|) / 4 <= 64 regs -> 16-bit h and dy: ITERS <= 8; one
 //       of them fp32: 4; both fp32 with a 16-bit x: 4 (VEC 8) ; fp32 x: 8.  dW partials are in smem.
+//   bwd reg (rms_norm_bwd.cuh): 1 pack of h and dy per thread, double-buffered in registers, + VEC fp32 dW sums:
+//     64 registers, 0 spills, 1024 threads per CTA max -> 50% occupancy (2 blocks of 512 at bf16 N = 4096); dW
+//     smem only at the end (rpb * N * 4 <= 8 KB, short rows); partial rows = grid (SMs x resident CTAs).
 //   No kernel spills on sm_80 / sm_90 (ptxas registers per kernel: docs/tuning-log.md#rmsnorm-registers). The
 //     per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it ITERS >= 8 spills).
 //     sm_100 / sm_120 spill in some rows variants: the host reads each kernel's localSizeBytes on the running
@@ -1307,6 +1313,9 @@ void dispatch_int(int v, F&& f) {
   FM_CHECK(done, "fused_mlp: internal error: unsupported config value ", v);
 }
 
+// The backward's register kernel and its launcher (aligned rows): see the header's comment.
+#include "cuda/rms_norm_bwd.cuh"
+
 }  // namespace
 }  // namespace fused_mlp::cuda
 
@@ -1585,6 +1594,7 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
       using TH = decltype(htag);
       dispatch_b_or_f32<TX>(dy.scalar_type() == kFloat, [&](auto dtag) {
         using TD = decltype(dtag);
+        if (launch_bwd_reg<TX, TH, TD>(a, info, dev, stream, want_dw, h, partial, partial_rows)) return;
         constexpr int kMaxIters = bwd_max_iters<TX, TH, TD>();
         const int64_t row_bytes = NV * VEC *
             (static_cast<int64_t>(sizeof(TH)) + static_cast<int64_t>(sizeof(TD)) +

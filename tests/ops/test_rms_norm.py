@@ -589,3 +589,73 @@ def test_cuda_tuning_knobs_subprocess():
         env = {**os.environ, "FUSED_MLP_RMS_NORM_TUNE": knobs}
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0 and "ok" in proc.stdout, f"{knobs}:\n{proc.stdout}\n{proc.stderr}"
+
+
+# ---- GPU: the backward's register kernel (FUSED_MLP_RMS_NORM_BWD) -----------------------------------------
+
+
+def bwd_reg_cases(fm):
+    """The register kernel's configurations (1 pack per thread: 1..32 threads per row for N <= 256 bf16, then whole
+    warps up to 1024 threads at N = 8192 bf16 / 4096 fp32; "packs=2" halves that), its limits (the next N falls to
+    the rows kernel), M against the persistent grid, and every feature: dh_extra (fused residual), fp32 residual stream, Gemma's offset, no weight, fp32 weight, fp32 dy.
+    Run by test_cuda_bwd_reg_knob under each knob value in a fresh process."""
+    bf = torch.bfloat16
+    w_of = lambda n, dt=bf: 1 + 0.25 * make((n,), dt, "cuda", seed=1)  # noqa: E731
+    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384)),
+                      (torch.float16, (512, 4096, 8192)),
+                      (torch.float32, (4, 256, 2048, 4096, 4100))]:
+        for n in ns:
+            M = max(3, min(3000, (1 << 24) // n))
+            run_case(fm, make((M, n), dtype, "cuda"), w_of(n, dtype))
+    for M in (1, 2, 131, 1000, 20000):  # one row; direct dW; fewer / not a multiple of / far more than the grid
+        for n in (128, 2048, 4096):
+            run_case(fm, make((M, n), bf, "cuda"), w_of(n))
+    x = make((777, 4096), bf, "cuda")
+    run_case(fm, x, None, residual=make((777, 4096), bf, "cuda", seed=2))  # dh_extra (bf16)
+    run_case(fm, x, w_of(4096), residual=make((777, 4096), torch.float32, "cuda", seed=2),
+             residual_dtype=torch.float32)  # fp32 h, dh_extra and dx
+    run_case(fm, x, w_of(4096), offset=1.0)  # Gemma
+    run_case(fm, x, None)  # no weight
+    run_case(fm, x, w_of(4096, torch.float32))  # fp32 weight
+    run_case(fm, x, w_of(4096, torch.float32), out_dtype=torch.float32)  # fp32 dy
+    run_case(fm, x, w_of(4096), dy_dtype=torch.float32)
+    x2 = make((300, 2048), bf, "cuda")
+    run_case(fm, x2, w_of(2048), residual=make((300, 2048), torch.float32, "cuda", seed=3),
+             residual_dtype=torch.float32)
+    # dW bitwise reproducible across calls (fixed-order sums): one row slot per CTA and several (N = 2048).
+    for M, n in [(5000, 4096), (3001, 2048), (2000, 8192)]:
+        x, w, dy = make((M, n), bf, "cuda"), w_of(n), make((M, n), bf, "cuda", seed=4)
+
+        def grads():
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            fm.rms_norm(xr, wr).backward(dy)
+            return xr.grad, wr.grad
+
+        (dx1, dw1), (dx2, dw2) = grads(), grads()
+        assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2), (M, n)
+
+
+@requires_cuda
+@pytest.mark.parametrize("knob", ["reg", "reg,packs=1", "legacy", "dynamic"])
+def test_cuda_bwd_reg_knob(knob):
+    """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
+    the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup)."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
+        import kernels
+        from test_rms_norm import bwd_reg_cases
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
+        if {knob!r} == "dynamic":
+            for mode in ("legacy", "reg"):
+                os.environ["FUSED_MLP_RMS_NORM_BWD"] = mode
+                bwd_reg_cases(fm)
+        else:
+            bwd_reg_cases(fm)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD": knob}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
