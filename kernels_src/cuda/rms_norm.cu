@@ -796,7 +796,9 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
   static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
   static_assert(XPack::kUnits == 1, "an x pack is one 16-byte unit");
   __shared__ float red[kRegMaxThreads / 32];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float cl_part;  // this CTA's partial sum of squares, read by the cluster's other CTAs
+#endif
 
   const int tid = static_cast<int>(threadIdx.x);
   const int tpr = a.tpr;
