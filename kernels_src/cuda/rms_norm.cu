@@ -5,6 +5,10 @@
 // Kernels (`pick` logic in the host launchers below, one table for all of them):
 //   fwd small — few rows (decode): one row group per block, no loop; aligned rows of whole packs, N <= 16384 (bf16)
 //               / 8192 (fp32), M up to a measured limit per N (FUSED_MLP_RMS_NORM_SMALL; section "few rows" below).
+//   fwd reg   — ALIGNED rows of whole packs (the default for them, any M): the row (or its cluster slice) in registers,
+//               PACKS (compile-time) 16-byte packs per thread, all loads issued before any use, one predicate per pack,
+//               non-persistent grid of many resident CTAs; rows per CTA for short rows; on sm_90+ rows beyond one
+//               CTA split over a cluster of 2..8 CTAs (partial sums through distributed smem). Table below.
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -49,11 +53,27 @@
 //   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
+// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=C]):
+//   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
+//   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
+//   of 256 / tpr rows (fewer while M < 32 SMs x rows); NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
+//   256 / tpr rows when tpr is a power of two <= 128; beyond, sm_90+: clusters of C = 2/4/8 CTAs (the fewest of
+//   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
+//   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | 2048: 8 x 32 (warp/row, 8 rows) |
+//      4096: 8 x 64 x 4 rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 | 32768: 8 x 512 |
+//      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
+//   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
+//     16-bit x, packs 1/2/4/8: 31/40/56/76; residual same dtype 1/2/4: 32/40/55; fp32 stream 1/2: 32/50;
+//     fp32 x 1/2/4/8: 31/32/56/64; fp32 residual 1/2/4: 32/32/62.  Smem: < 128 B static, no dynamic smem.
+//     -> 256-thread CTAs: 3 (76 regs) .. 8 resident per SM, >= 64 KB of loads in flight per SM at P = 8.
+//   Every config launches: <= 512 threads x <= 128 registers fit an SM; a cluster launches only when
+//   cudaOccupancyMaxActiveClusters > 0 and a variant that spills on the running device is skipped (else rows/wide).
 // These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below; the persistent
 // prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM. Conversions read 32-bit
 // words (Pack::f, one instruction per bf16 element instead of two). -- docs/tuning-log.md#rmsnorm-cuda-config
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -658,6 +678,254 @@ __global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_ker
       *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(yr) + v * VEC) = p.u[0];
     }
   }
+}
+
+// ---- forward, aligned rows in registers (the "reg" family) ---------------------------------------------------------
+// For 16-byte aligned rows of whole packs (every base pointer and row stride 16-byte aligned, N % VEC == 0): PACKS
+// packs per thread (a compile-time N class), the row (or, in a cluster, the CTA's slice of it) held in registers,
+// every 16-byte load of x and the residual issued before any is used, one pass over HBM, one predicate per pack
+// (`has`, always true when the class divides the row exactly), 32-bit column math. Non-persistent grid: one row group
+// per CTA, many resident CTAs per SM (the loads of the other CTAs cover each CTA's reduction and stores).
+// Rows per CTA for short rows (tpr <= 32: sub-warp / warp per row, 256-thread CTAs); long rows on sm_90 split over
+// a thread-block cluster of 2..8 CTAs whose partial sums of squares meet in distributed shared memory.
+// TH: the held h dtype; the weight / out dtypes are uniform runtime flags (the output loop is instantiated for each).
+
+struct FwdRegArgs {
+  const void* x;          // [M, N] x dtype, row stride x_stride (elements), rows 16-byte aligned
+  int64_t x_stride;
+  const void* res;        // [M, N] h dtype, row stride res_stride, or null
+  int64_t res_stride;
+  void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
+  const void* w;          // [N] x dtype or fp32, or null
+  void* y;                // [M, N] contiguous, x dtype or fp32
+  float* rstd;            // [M]
+  int64_t M;
+  int N, nv;              // nv = N / VEC packs per row
+  int nvc;                // packs per CTA: nv, or a cluster CTA's slice ceil(nv / cluster size)
+  int tpr;                // threads per row (slice): a power of two <= 32 (then rpb >= 32 / tpr), or a multiple of 32
+  int tpr_shift;          // log2(tpr) when rpb > 1, else 10 (every thread is in row slot 0)
+  int rpb;                // rows per CTA (blockDim.x == tpr * rpb); 1 in a cluster
+  int c_shift;            // log2(cluster size): 0 without a cluster (sm_90+ only)
+  float inv_n, eps, offset;
+  uint32_t zero;          // 0 (see launder_pack)
+  bool w_f32, y_f32;
+};
+
+constexpr int kRegMaxThreads = 512;  // __launch_bounds__: <= 128 regs, 0 spills -- docs/tuning-log.md#rmsnorm-reg-config
+
+// Register budget of the held row: after the sum of squares the compiler keeps the row's unpacked fp32 values for the
+// output (2 registers per bf16 pair: P = 8 took 116 registers, ptxas merges any second unpack of the same words).
+// Adding a run-time zero (FwdRegArgs::zero) to the packed words makes them new values to ptxas: the output unpacks
+// them again (one add per 32-bit word, a unpack per element) and the row stays at 4 registers per 16-byte pack.
+template <typename T, int VEC>
+__device__ __forceinline__ void launder_pack(Pack<T, VEC>& p, uint32_t zero) {
+#pragma unroll
+  for (int k = 0; k < Pack<T, VEC>::kUnits; ++k) {
+    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].x) : "r"(zero));
+    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].y) : "r"(zero));
+    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].z) : "r"(zero));
+    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].w) : "r"(zero));
+  }
+}
+
+// Sum over the tpr threads of row slot `rib`: shuffles, then (rows spanning warps) one smem round over the row's
+// warps in a fixed order: every thread of the row gets the same bits. Called once by all threads of the CTA.
+__device__ __forceinline__ float reg_row_sum(float v, int tpr, int rib, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (tpr <= 32) return v;
+  const int warp = threadIdx.x >> 5, wpr = tpr >> 5;
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int k = 0; k < wpr; ++k) t += red[rib * wpr + k];
+  return t;
+}
+
+// y = h * (rstd * (offset + w)) for the thread's packs, G weight packs in registers at a time (the weight is L1/L2
+// resident; G bounds the registers it takes next to the held row). TW = NoWeight: no weight (scale = rstd).
+struct NoWeight {};
+
+template <typename TW, typename TY, typename TH, int P, int VEC>
+__device__ __forceinline__ void reg_store_y(const Pack<TH, VEC> (&hv)[P], const bool (&has)[P], const void* w,
+                                            TY* __restrict__ yr, int col, int step, float rs, float offset) {
+  using YPack = Pack<TY, VEC>;
+  if constexpr (std::is_same_v<TW, NoWeight>) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      if (!has[i]) continue;
+      YPack p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TY>(hv[i].f(j) * rs);
+      uint4* dst = reinterpret_cast<uint4*>(yr + col + i * step);
+#pragma unroll
+      for (int k = 0; k < YPack::kUnits; ++k) dst[k] = p.u[k];
+    }
+  } else {
+    using WPack = Pack<TW, VEC>;
+    constexpr int G = P < 4 / WPack::kUnits ? P : 4 / WPack::kUnits;
+    const float rs_off = rs * offset;
+    const TW* wr = static_cast<const TW*>(w) + col;
+#pragma unroll
+    for (int g = 0; g < P; g += G) {
+      WPack wv[G];
+      asm volatile("" ::: "memory");  // the next group's weight loads stay behind this group's stores (registers)
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        if (has[g + k]) {
+          const uint4* src = reinterpret_cast<const uint4*>(wr + (g + k) * step);
+#pragma unroll
+          for (int u = 0; u < WPack::kUnits; ++u) wv[k].u[u] = __ldg(src + u);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        const int i = g + k;
+        if (!has[i]) continue;
+        YPack p;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TY>(hv[i].f(j) * fmaf(wv[k].f(j), rs, rs_off));
+        uint4* dst = reinterpret_cast<uint4*>(yr + col + i * step);
+#pragma unroll
+        for (int u = 0; u < YPack::kUnits; ++u) dst[u] = p.u[u];
+      }
+    }
+  }
+}
+
+template <typename TX, typename TH, bool RES, int P>
+__global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const FwdRegArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  using HPack = Pack<TH, VEC>;
+  static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
+  static_assert(XPack::kUnits == 1, "an x pack is one 16-byte unit");
+  __shared__ float red[kRegMaxThreads / 32];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float cl_part;  // this CTA's partial sum of squares, read by the cluster's other CTAs
+#endif
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tpr = a.tpr;
+  const int rib = tid >> a.tpr_shift;
+  const int lane = tid - rib * tpr;
+  int64_t row;
+  int col0 = 0, nvc = a.nv;  // this CTA's first pack and its pack count
+  if (a.c_shift > 0) {
+    row = static_cast<int64_t>(blockIdx.x >> a.c_shift);
+    col0 = static_cast<int>(blockIdx.x & ((1u << a.c_shift) - 1u)) * a.nvc;  // cluster rank * slice
+    nvc = min(a.nvc, a.nv - col0);  // <= 0 only for a forced cluster size wider than the row
+  } else {
+    row = static_cast<int64_t>(blockIdx.x) * a.rpb + rib;
+  }
+  const bool valid = row < a.M;  // false only in the last CTA of short rows
+  const int64_t r = valid ? row : 0;
+  const int col = (col0 + lane) * VEC;  // the thread's first column; pack i is at col + i * step
+  const int step = tpr * VEC;
+  const int left = valid ? nvc - lane : 0;
+  bool has[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) has[i] = i * tpr < left;
+
+  // Every load of the row is issued before any is used.
+  const TX* xr = static_cast<const TX*>(a.x) + r * a.x_stride + col;
+  const TH* rr = RES ? static_cast<const TH*>(a.res) + r * a.res_stride + col : nullptr;
+  XPack xv[P];
+  HPack rv[RES ? P : 1];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if (has[i]) {
+      xv[i].u[0] = __ldcs(reinterpret_cast<const uint4*>(xr + i * step));
+    } else {
+      xv[i].u[0] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    if constexpr (RES) {
+      const uint4* src = reinterpret_cast<const uint4*>(rr + i * step);
+#pragma unroll
+      for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = has[i] ? __ldcs(src + k) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+
+  HPack hv[P];
+  float ssv[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+  TH* hr = RES ? static_cast<TH*>(a.h) + r * static_cast<int64_t>(a.N) + col : nullptr;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if constexpr (RES) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) hv[i].v[j] = from_float<TH>(xv[i].f(j) + rv[i].f(j));
+      // The residual stream carries h rounded to its dtype; exactly that value is normalised below.
+      if (has[i]) {
+        uint4* dst = reinterpret_cast<uint4*>(hr + i * step);
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k) dst[k] = hv[i].u[k];
+      }
+    } else {
+      hv[i] = xv[i];
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float f = hv[i].f(j);
+      ssv[j] = fmaf(f, f, ssv[j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if constexpr (sizeof(TH) < 4) {
+      launder_pack(hv[i], a.zero);
+    } else {
+#pragma unroll
+      for (int k = 0; k < HPack::kUnits; ++k)  // fp32: an opaque copy suffices (P = 8: 78 -> 64 registers)
+        asm volatile("" : "+r"(hv[i].u[k].x), "+r"(hv[i].u[k].y), "+r"(hv[i].u[k].z), "+r"(hv[i].u[k].w));
+    }
+  }
+  float ss = reg_row_sum(sum_vec(ssv), tpr, rib, red);
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.c_shift > 0) {
+    // The cluster's CTAs hold slices of one row: exchange the partial sums through distributed shared memory.
+    // Every CTA adds them in rank order (a butterfly over lanes = ranks): the same bits in all of them.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cl = cg::this_cluster();
+    if (tid == 0) cl_part = ss;
+    cl.sync();
+    const int l = tid & 31;
+    float p = l < (1 << a.c_shift) ? *cl.map_shared_rank(&cl_part, l) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    ss = p;
+    cl.barrier_arrive();  // this CTA is done reading the others' cl_part; waited for before exiting
+  }
+#else
+  if (a.c_shift > 0) __trap();  // the host launches clusters on sm_90+ only
+#endif
+  const float rs = rsqrtf(ss * a.inv_n + a.eps);
+
+  if (valid) {
+    if (lane == 0 && col0 == 0) a.rstd[row] = rs;
+    const int64_t yo = row * static_cast<int64_t>(a.N);
+    auto out = [&](auto wtag) {
+      using TW = decltype(wtag);
+      if (a.y_f32) {
+        reg_store_y<TW, float, TH, P, VEC>(hv, has, a.w, static_cast<float*>(a.y) + yo, col, step, rs, a.offset);
+      } else {
+        reg_store_y<TW, TX, TH, P, VEC>(hv, has, a.w, static_cast<TX*>(a.y) + yo, col, step, rs, a.offset);
+      }
+    };
+    if (a.w == nullptr) {
+      out(NoWeight{});
+    } else if (a.w_f32) {
+      out(float{});
+    } else {
+      out(TX{});
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.c_shift > 0) cooperative_groups::this_cluster().barrier_wait();  // no CTA leaves while its cl_part is read
+#endif
 }
 
 // ---- backward ----------------------------------------------------------------------------------------------
@@ -1316,6 +1584,202 @@ void dispatch_int(int v, F&& f) {
 // The backward's register kernel and its launcher (aligned rows): see the header's comment.
 #include "cuda/rms_norm_bwd.cuh"
 
+// ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
+
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=2|4|8], read once per process ("dynamic" first: re-read at
+// every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg kernels for aligned rows of
+// whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they apply, ahead of that switch;
+// legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg launch takes clusters of C
+// CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach).
+struct FwdKnob {
+  enum Mode { kAuto, kReg, kLegacy };
+  Mode mode = kAuto;
+  int cluster = 0;
+};
+
+FwdKnob parse_fwd_knob(const char* e) {
+  FwdKnob k;
+  if (e == nullptr) return k;
+  const std::string s(e);
+  const std::string head = s.substr(0, s.find(','));
+  if (head == "reg") k.mode = FwdKnob::kReg;
+  else if (head == "legacy") k.mode = FwdKnob::kLegacy;
+  if (const size_t at = s.find(",cluster="); at != std::string::npos) {
+    const int c = std::atoi(s.c_str() + at + 9);
+    if (c == 2 || c == 4 || c == 8) k.cluster = c;
+  }
+  return k;
+}
+
+FwdKnob rms_fwd_knob() {
+  static const char* const var = "FUSED_MLP_RMS_NORM_FWD";
+  static const bool dynamic = [] {
+    const char* e = std::getenv(var);
+    return e != nullptr && std::strncmp(e, "dynamic", 7) == 0;
+  }();
+  static const FwdKnob fixed = parse_fwd_knob(std::getenv(var));
+  return dynamic ? parse_fwd_knob(std::getenv(var)) : fixed;
+}
+
+// Packs per thread the reg kernel may hold: the loaded 16-byte units per pack (x, plus the residual's) times the
+// packs <= 8 units = 32 registers of row data per thread -- docs/tuning-log.md#rmsnorm-reg-config.
+template <typename TX, typename TH, bool RES>
+constexpr int reg_max_packs() {
+  constexpr int units = 1 + (RES ? Pack<TH, 16 / static_cast<int>(sizeof(TX))>::kUnits : 0);
+  return units == 1 ? 8 : units == 2 ? 4 : 2;
+}
+
+struct RegConfig {
+  int packs = 0, tpr = 0, rpb = 1, tpr_shift = 10, csize = 1, c_shift = 0;
+  int64_t nvc = 0;
+  int threads() const { return tpr * rpb; }
+};
+
+// The reg family's config table (rows of NV packs; pmax from reg_max_packs) -- docs/tuning-log.md#rmsnorm-reg-config:
+//   NV <= 32 * pmax: one CTA row group, packs = the fewest (power of two) that fit a warp, tpr = next_pow2(NV / packs)
+//     <= 32 (sub-warp / warp per row), 256-thread CTAs of 256 / tpr rows (fewer for small M: one group per SM first);
+//   NV <= 512 * pmax: packs = pmax, tpr = NV / pmax rounded up to whole warps (64..512), 256 / tpr rows per CTA
+//     when tpr is a power of two, else 1;
+//   beyond (sm_90+): a cluster of C = 2, 4 or 8 CTAs (the fewest with <= 256 threads each, else 8 of up to 512), each
+//     holding ceil(NV / C) packs; no cluster support or NV > 4096 * pmax: false (the rows / wide kernels).
+bool reg_config(int64_t NV, int64_t M, int sms, int pmax, bool cluster_ok, int forced_cluster, RegConfig& c) {
+  if (NV < 1) return false;
+  int C = 1;
+  if (forced_cluster > 1) {
+    if (!cluster_ok) return false;
+    C = forced_cluster;
+  } else if (NV > static_cast<int64_t>(kRegMaxThreads) * pmax) {
+    if (!cluster_ok) return false;
+    C = 2;
+    while (C < 8 && NV > static_cast<int64_t>(C) * 256 * pmax) C *= 2;
+  }
+  const int64_t nvc = (NV + C - 1) / C;
+  if (nvc > static_cast<int64_t>(kRegMaxThreads) * pmax) return false;
+  int packs = pmax, tpr;
+  if (C == 1 && nvc <= 32 * pmax) {
+    packs = 1;
+    while (packs < pmax && nvc > 32 * packs) packs *= 2;
+    tpr = next_pow2((nvc + packs - 1) / packs);
+  } else {
+    tpr = static_cast<int>(((nvc + pmax - 1) / pmax + 31) / 32 * 32);
+  }
+  int rpb = 1;
+  if (C == 1 && (tpr & (tpr - 1)) == 0 && tpr <= 128) {
+    const int64_t per_sm = std::max<int64_t>(1, (M + sms - 1) / sms);
+    rpb = static_cast<int>(std::min<int64_t>(256 / tpr, per_sm));
+    const int min_rpb = tpr < 32 ? 32 / tpr : 1;  // CTAs are whole warps
+    rpb = (rpb + min_rpb - 1) / min_rpb * min_rpb;
+  }
+  int shift = 0;
+  while ((1 << shift) < tpr) ++shift;
+  int cs = 0;
+  while ((1 << cs) < C) ++cs;
+  const int64_t grid = C > 1 ? M * C : (M + rpb - 1) / rpb;
+  if (grid > 0x7fffffff) return false;
+  c.packs = packs;
+  c.tpr = tpr;
+  c.rpb = rpb;
+  c.tpr_shift = rpb > 1 ? shift : 10;
+  c.csize = C;
+  c.c_shift = cs;
+  c.nvc = nvc;
+  return true;
+}
+
+// Clusters of `csize` CTAs of `threads` threads that can be resident at once on `dev` (0: the config cannot launch),
+// cached per (kernel, device, threads, csize).
+int reg_active_clusters(const void* kernel, int threads, int csize, int dev) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, int> known;
+  std::ostringstream key;
+  key << kernel << ':' << dev << ':' << threads << ':' << csize;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = known.find(key.str()); it != known.end()) return it->second;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(csize), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(csize);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the (non-sticky) error: the caller takes the other kernels
+    n = 0;
+  }
+  known.emplace(key.str(), n);
+  return n;
+}
+
+// Launches the reg kernel for this call when it applies; false: the caller takes the rows / wide kernels.
+template <typename TX, typename TH, bool RES>
+bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, cudaStream_t stream) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  constexpr int kPmax = reg_max_packs<TX, TH, RES>();
+  const int64_t N = a.N, M = a.M;
+  if (N % VEC != 0 || N > (int64_t{1} << 24)) return false;
+  const int64_t NV = N / VEC;
+  RegConfig c;
+  if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, c)) return false;
+  FwdRegArgs b{};
+  b.x = a.x;
+  b.x_stride = a.x_stride;
+  b.res = a.res;
+  b.res_stride = a.res_stride;
+  b.h = a.h;
+  b.w = a.w;
+  b.y = a.y;
+  b.rstd = a.rstd;
+  b.M = M;
+  b.N = static_cast<int>(N);
+  b.nv = static_cast<int>(NV);
+  b.nvc = static_cast<int>(c.nvc);
+  b.tpr = c.tpr;
+  b.tpr_shift = c.tpr_shift;
+  b.rpb = c.rpb;
+  b.c_shift = c.c_shift;
+  b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
+  b.eps = a.eps;
+  b.offset = a.offset;
+  b.w_f32 = a.w_f32;
+  b.y_f32 = a.y_f32;
+  b.zero = 0;
+  bool launched = false;
+  dispatch_int<1, 2, 4, 8>(c.packs, [&](auto pk) {
+    constexpr int P = decltype(pk)::value;
+    if constexpr (P <= kPmax) {
+      auto* kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P>;
+      if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return;  // sm_100/120 may allocate differently
+      if (c.csize == 1) {
+        const int64_t grid = (M + c.rpb - 1) / c.rpb;
+        kern<<<static_cast<unsigned>(grid), c.threads(), 0, stream>>>(b);
+        FM_KERNEL_LAUNCH_CHECK();
+        launched = true;
+        return;
+      }
+      if (reg_active_clusters(reinterpret_cast<const void*>(kern), c.threads(), c.csize, dev) < 1) return;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(M * c.csize), 1, 1);
+      cfg.blockDim = dim3(static_cast<unsigned>(c.threads()), 1, 1);
+      cfg.dynamicSmemBytes = 0;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(c.csize);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, b));
+      launched = true;
+    }
+  });
+  return launched;
+}
+
 }  // namespace
 }  // namespace fused_mlp::cuda
 
@@ -1363,6 +1827,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
   const DeviceInfo& info = device_info(dev);
   const Tuning& tune = tuning();
   const SmallKnob small = rms_small_knob();
+  const FwdKnob fwd = rms_fwd_knob();
   const auto stream = current_stream(x);
   const bool has_res = residual.has_value();
 
@@ -1392,6 +1857,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
     auto run = [&](auto htag, auto res_tag) {
       using TH = decltype(htag);
       constexpr bool RES = decltype(res_tag)::value;
+      // Aligned rows of whole packs: the reg family (FUSED_MLP_RMS_NORM_FWD=reg: ahead of the few-rows switch).
+      const bool reg_ok = fwd.mode != FwdKnob::kLegacy && a.vec_ok;
+      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, stream)) return;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
           (small.mode == SmallKnob::kOn || M <= small_max_rows(N))) {
@@ -1430,6 +1898,9 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
           return;
         }
       }
+      // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
+      // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, stream)) return;
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

@@ -659,3 +659,86 @@ def test_cuda_bwd_reg_knob(knob):
     env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD": knob}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+
+
+# The aligned register-row forward ("reg" family) and its knob FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy
+# [,cluster=C]; each knob value runs in a fresh process (read once). Shapes sit on the config table's class edges
+# (kernels_src/cuda/rms_norm.cu, reg_config): N = VEC * NV with NV around 32 * pmax and 512 * pmax (pmax packs per
+# thread: 8 without a residual, 4 with one of x's dtype, 2 with an fp32 stream under 16-bit x) and on the cluster path.
+_REG_CASES = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path[:0] = [{tests!r}, {ops!r}]
+    import kernels
+    from test_rms_norm import run_case, make
+    fm = kernels.get_local_kernel(__import__("pathlib").Path({root!r}))
+    knob, forced = {knob!r}, {forced!r}
+
+    def kernel_names(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    def case(dtype, M, N, *, res=None, w="x", offset=0.0, out=None):
+        x = make((M, N), dtype, "cuda")
+        wt = None if w is None else (1 + 0.25 * make((N,), dtype, "cuda", seed=1)).to(
+            torch.float32 if w == "f32" else dtype)
+        r = None if res is None else make((M, N), res, "cuda", seed=2)
+        run_case(fm, x, wt, offset=offset, residual=r, residual_dtype=res, out_dtype=out,
+                 check_grads=M * N <= (1 << 22))
+
+    cap = torch.cuda.get_device_capability()
+    if forced:
+        # Forced cluster sizes on short and odd rows (empty slices when C exceeds the packs of a row).
+        for dtype in (torch.bfloat16, torch.float32):
+            vec = 16 // torch.empty(0, dtype=dtype).element_size()
+            for N in (vec, 8 * vec, 5376, 4096 + vec, 8192):
+                case(dtype, 5, N)
+                case(dtype, 3, N, res=torch.float32, w="f32", offset=1.0, out=torch.float32)
+            case(dtype, 1, 65536, w=None)
+    else:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            vec = 16 // torch.empty(0, dtype=dtype).element_size()
+            # Without a residual (pmax 8): packs 1/2/4/8 per thread in sub-warp / warp rows, multi-warp rows,
+            # one CTA up to 4096 packs, clusters beyond.
+            for nv in (1, 2, 31, 32, 33, 64, 65, 128, 129, 256, 257, 672, 1024, 2048, 4096, 4097):
+                case(dtype, 37 if nv <= 1024 else 5, nv * vec)
+            # A residual of x's dtype (pmax 4) and an fp32 stream (pmax 2 under 16-bit x).
+            for nv in (32, 128, 129, 512, 1024, 1025, 2048, 2049):
+                case(dtype, 9, nv * vec, res=dtype, offset=1.0)
+                case(dtype, 9, nv * vec, res=torch.float32, w="f32", out=torch.float32)
+        for N in (65536, 131072, 262144):  # clusters of 4 / 8 CTAs (bf16), wide kernel beyond the reg reach
+            case(torch.bfloat16, 3, N)
+            case(torch.bfloat16, 2, N, res=torch.float32, w=None)
+            case(torch.float32, 2, N, w="f32", out=torch.float32)
+        # M = 1, and M not a multiple of the rows per CTA (short rows pack 256 / tpr rows per CTA once M > 32 SMs).
+        for M in (1, 4229, 33 * 132 + 7):
+            case(torch.bfloat16, M, 64)
+            case(torch.bfloat16, M, 2048, w=None, res=torch.bfloat16)
+        case(torch.float16, 1, 65536, offset=1.0)
+    x = make((64, 4096), torch.bfloat16, "cuda")
+    names = kernel_names(lambda: fm.rms_norm(x, None))
+    want_reg = knob != "legacy"
+    assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
+    if cap[0] >= 9:
+        x = make((2, 65536), torch.bfloat16, "cuda")
+        names = kernel_names(lambda: fm.rms_norm(x, None))
+        assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
+    print("ok")
+    """
+)
+
+
+@requires_cuda
+@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "legacy"])
+def test_cuda_reg_forward_subprocess(knob):
+    """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144) under
+    the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
+    M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels. The profiler confirms which."""
+    forced = "cluster=" in knob
+    code = _REG_CASES.format(tests=str(ROOT / "tests"), ops=str(ROOT / "tests" / "ops"), root=str(ROOT), knob=knob,
+                             forced=forced)
+    env = {**os.environ, "FUSED_MLP_RMS_NORM_FWD": knob}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
