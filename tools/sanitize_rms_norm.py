@@ -37,6 +37,9 @@ def main() -> int:
         (300, 32768, torch.bfloat16, None, False),  # bwd rows ITERS 8 with 128 KB dW smem
         (150, 98304, torch.bfloat16, None, False),  # fwd wide with smem cache; bwd wide
         (40, 262144, torch.bfloat16, torch.float32, False),  # fwd wide, L2 re-read
+        (8, 131072, torch.bfloat16, None, False),  # fwd reg: a cluster of 8 CTAs (DSMEM reduction)
+        (3, 262144, torch.bfloat16, None, False),  # fwd reg: cluster of 8 at 512 threads per CTA
+        (5000, 2048, torch.bfloat16, torch.bfloat16, False),  # fwd reg warp-per-row; bwd reg, several rows per CTA
         (1, 4096, torch.bfloat16, None, False),  # grid 1: direct dW
         (64, 4096, torch.bfloat16, None, False),  # small M: one row per SM, column sum
         (500, 4099, torch.bfloat16, torch.bfloat16, True),  # misaligned: per-element path everywhere
