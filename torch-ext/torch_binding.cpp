@@ -54,6 +54,7 @@
 STABLE_TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   FM_SCHEMAS(ops);
   ops.def("_addmm_lt_force_fallback(int mode) -> int");  // test hook, no tensors
+  ops.def("_addmm_sm90_mode(int mode) -> int");          // test/benchmark hook, no tensors
 }
 
 STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
@@ -86,6 +87,7 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
 // No tensor arguments: the composite key serves every call (there is no device to dispatch on).
 STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CompositeImplicitAutograd, ops) {
   ops.impl("_addmm_lt_force_fallback", TORCH_BOX(&addmm_lt_force_fallback));
+  ops.impl("_addmm_sm90_mode", TORCH_BOX(&addmm_sm90_set_mode));
 }
 
 // fused_mlp::warn: a Python UserWarning through the limited C API (the stable ABI has no warning shim). Callers
@@ -109,6 +111,7 @@ void fused_mlp::warn(const std::string& message) {
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   FM_SCHEMAS(ops);
   ops.def("_addmm_lt_force_fallback(int mode) -> int", &addmm_lt_force_fallback);  // test hook, no tensors
+  ops.def("_addmm_sm90_mode(int mode) -> int", &addmm_sm90_set_mode);  // test/benchmark hook, no tensors
 
   ops.impl("rms_norm_fwd", c10::kCPU, &rms_norm_fwd_cpu);
   ops.impl("rms_norm_bwd", c10::kCPU, &rms_norm_bwd_cpu);

@@ -61,6 +61,11 @@ int64_t addmm_lt_force_fallback(int64_t mode);
 std::vector<int64_t> check_out_shape(ShapeArg out_shape, int64_t M, int64_t N);
 int addmm_lt_fallback_mode();
 bool addmm_lt_first_warning(int which);  // true the first time per slot (0: fused epilogue, 1: cuBLASLt)
+// Test/benchmark hook: the sm_90 CUTLASS path's mode (kernels_src/cuda/addmm_sm90.h, Sm90Mode): -1 = follow
+// FUSED_MLP_ADDMM_SM90 (the default), 0 off, 1 auto, 2 on, 3 on with ping-pong, 4 on with cooperative. Returns the
+// previous value. No effect on CPU tensors or off sm_90.
+int64_t addmm_sm90_set_mode(int64_t mode);
+int addmm_sm90_override();
 
 #if defined(CUDA_KERNEL)
 std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias, const Tensor& mat1,

@@ -13,8 +13,8 @@
 // the fp32 dZ (unrounded: slightly more exact than the GPU path, whose GEMM operands must be in the input dtype),
 // each rounded once.
 //
-// Also home of the test hook that forces the CUDA path's cuBLASLt fallbacks (this file is compiled into every
-// variant; the CUDA code reads the flags through torch_binding.h).
+// Also home of the test hooks that force the CUDA path's cuBLASLt fallbacks and the sm_90 CUTLASS path's mode (this
+// file is compiled into every variant; the CUDA code reads the flags through torch_binding.h).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -43,6 +43,19 @@ bool addmm_lt_first_warning(int which) {
   FM_CHECK(which >= 0 && which < 2, "fused_mlp: bad warning slot");
   return !g_lt_warned[which].exchange(true);
 }
+
+// ---- sm_90 CUTLASS path override (see addmm_sm90.cu) -------------------------------------------------------
+namespace {
+std::atomic<int> g_sm90_override{-1};
+}  // namespace
+
+int64_t addmm_sm90_set_mode(int64_t mode) {
+  FM_CHECK(mode >= -1 && mode <= 4, "fused_mlp: _addmm_sm90_mode mode must be -1 (environment), 0 off, 1 auto, 2 on, "
+           "3 pingpong or 4 cooperative, got ", mode);
+  return g_sm90_override.exchange(static_cast<int>(mode));
+}
+
+int addmm_sm90_override() { return g_sm90_override.load(std::memory_order_relaxed); }
 
 namespace fused_mlp::cpu {
 namespace {

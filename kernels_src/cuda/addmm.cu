@@ -4,6 +4,15 @@
 // mat2, dw: [K, N] with either orientation (row-major [K, N] = Conv1D's weight, or column-major = nn.Linear's
 // [N, K] weight seen through .t()) used in place; bias, db: [N]; preact (Z): [M, N] contiguous, output dtype.
 //
+// ---- sm_90: the CUTLASS epilogue kernel first (kernels_src/cuda/addmm_sm90.cu) ----
+// On an sm_90 device, for bf16/fp16 with 16-byte aligned operands whose row strides, K and N are multiples of 8, the
+// forward runs a CUTLASS 3 GEMM with bias + activation in its epilogue instead of cuBLASLt: the same fp32 math
+// (kernels_src/cuda/addmm_act.cuh), one rounding, and Z in training, without the fp32 [M, N] round trip of the
+// exact path below. FUSED_MLP_ADDMM_SM90 (read once; the private op _addmm_sm90_mode overrides it) picks: auto (the
+// default: M >= kSm90MinM rows and a bias or an activation), on (wherever it can run), off (cuBLASLt always),
+// pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
+// bypasses it. Everything else, and the backward, is the cuBLASLt path described here.
+//
 // ---- Layout mapping (cuBLASLt is column-major; a row-major [R, C] tensor is a column-major C x R matrix) ----
 // Forward   Y^T (N x M, ld N)  = op(mat2) (N x K) * mat1^T (K x M):  m=N, n=M, k=K, A=mat2, B=mat1 (op N).
 //           mat2 row-major [K,N] (stride(1)==1): stored N x K, ld=stride(0), op N.   (Conv1D, no copy)
@@ -80,6 +89,8 @@
 #include <unordered_map>
 
 #include "activation.h"  // Act: the epilogue activation codes (shared with the CPU backend)
+#include "cuda/addmm_act.cuh"
+#include "cuda/addmm_sm90.h"
 #include "cuda/common.cuh"
 #include "torch_binding.h"
 
@@ -90,40 +101,9 @@
 namespace fused_mlp::cuda {
 namespace {
 
-// ---------------------------------------------------------------------------------------------------------------
-// Device math (the same formulas as PyTorch's gelu / gelu_backward, in fp32)
-// ---------------------------------------------------------------------------------------------------------------
-
-constexpr int kActNone = static_cast<int>(Act::kNone), kActGeluTanh = static_cast<int>(Act::kGeluTanh),
-              kActGeluErf = static_cast<int>(Act::kGeluErf);
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kKappa = 0.044715f;
-constexpr float kSqrtHalf = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;
-
-template <int ACT>
-__device__ __forceinline__ float act_fwd(float x) {
-  if constexpr (ACT == kActGeluTanh) {
-    return 0.5f * x * (1.f + tanhf(kSqrt2OverPi * (x + kKappa * x * x * x)));
-  } else if constexpr (ACT == kActGeluErf) {
-    return 0.5f * x * (1.f + erff(x * kSqrtHalf));
-  } else {
-    return x;
-  }
-}
-
-template <int ACT>
-__device__ __forceinline__ float act_grad(float x) {
-  if constexpr (ACT == kActGeluTanh) {
-    const float x2 = x * x;
-    const float t = tanhf(kSqrt2OverPi * (x + kKappa * x2 * x));
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kKappa * x2);
-  } else if constexpr (ACT == kActGeluErf) {
-    return 0.5f * (1.f + erff(x * kSqrtHalf)) + x * expf(-0.5f * x * x) * kInvSqrt2Pi;
-  } else {
-    return 1.f;
-  }
-}
+// Device math: act_fwd / act_grad and the activation codes (kernels_src/cuda/addmm_act.cuh, shared with the sm_90
+// CUTLASS epilogue).
+using namespace addmm_math;
 
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
@@ -343,6 +323,10 @@ struct PlanKeyHash {
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
 // Not measured yet: the backward grid (4 blocks per SM target, 32 x 8 tiles) and the bias/activation kernel grid
 //   (8 blocks per SM, grid-stride) -- docs/tuning-log.md#addmm-grids
+// kSm90MinM: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with a bias or an activation and at least this
+//   many rows take the sm_90 CUTLASS kernel (addmm_sm90.cu) -- docs/tuning-log.md#addmm-sm90-epilogue (placeholder,
+//   H200 measurement pending)
+constexpr int64_t kSm90MinM = 1024;
 constexpr size_t kMaxPlans = 4096;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;
@@ -716,6 +700,38 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
 
   const Tensor mat1 = as_gemm_rows(mat1_in);
   const Mat2 w = prepare_mat2(mat2_in);
+  const int mode = addmm_lt_fallback_mode();
+
+  // 0. sm_90, bf16/fp16: the CUTLASS GEMM with bias + activation in its epilogue (addmm_sm90.cu), one rounding and
+  //    no fp32 [M, N] round trip. Not while the cuBLASLt fallback test hook is set (those tests exercise cuBLASLt).
+  if ((T == kBFloat16 || T == kHalf) && mode == 0) {
+    const Sm90Mode sm = addmm_sm90_mode();
+    const bool wanted = sm == Sm90Mode::kAuto ? M >= kSm90MinM && (bias.has_value() || act != kActNone)
+                                              : sm != Sm90Mode::kOff;
+    if (wanted && addmm_sm90_available(device_index(mat1_in))) {
+      AddmmSm90Args s;
+      s.a = mat1.const_data_ptr();
+      s.lda = gemm_ld(mat1);
+      s.b = w.t.const_data_ptr();
+      s.ldb = w.ld;
+      s.b_k_major = w.col_major;  // column-major [K, N] = [N, K] rows (nn.Linear's weight)
+      if (bias.has_value()) {
+        s.bias = bias->const_data_ptr();
+        s.bias_fp32 = bias->scalar_type() == kFloat;
+      }
+      s.y = y.data_ptr();
+      s.z = want_z ? z.data_ptr() : nullptr;
+      s.M = M;
+      s.N = N;
+      s.K = K;
+      s.act = act;
+      s.bf16 = T == kBFloat16;
+      s.device = device_index(mat1_in);
+      s.stream = stream;
+      if (addmm_sm90_fwd(s, sm)) return {y_out, z};
+    }
+  }
+
   LtGemm g;
   g.device = device_index(mat1_in);
   g.stream = stream;
@@ -730,7 +746,6 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   g.n = M;
   g.k = K;
   g.ldd = N;
-  const int mode = addmm_lt_fallback_mode();
 
   // 1. The fused epilogue, when cuBLASLt can compute exactly what was asked for.
   const bool bias_in_out_dtype = !bias.has_value() || bias->scalar_type() == T;

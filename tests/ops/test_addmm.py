@@ -9,6 +9,7 @@ backward uncast. Runs on the CPU here and on the GPU machine (CUDA-only tests sk
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -748,3 +749,199 @@ def test_cuda_calls_keep_no_memory(fm, mode):
             assert torch.cuda.memory_allocated() == before
     finally:
         ops._addmm_lt_force_fallback(prev)
+
+
+# ---- sm_90: the CUTLASS GEMM with bias + activation in its epilogue (kernels_src/cuda/addmm_sm90.cu) -------------
+# The private op _addmm_sm90_mode switches the path in-process (FUSED_MLP_ADDMM_SM90 is read once): -1 follow the
+# environment, 0 off, 1 auto, 2 on, 3 on with ping-pong, 4 on with cooperative.
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+requires_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+SM90_MODES = {"off": 0, "auto": 1, "on": 2, "pingpong": 3, "cooperative": 4}
+# M not a multiple of any tile, N and K 8 x odd; a tiny one and one with a single k-tile
+SM90_SHAPES = [(1100, 504, 1000), (5, 40, 24), (300, 8, 136)]
+
+
+@contextlib.contextmanager
+def _sm90_mode(fm, mode: str):
+    prev = fm._ops.ops._addmm_sm90_mode(SM90_MODES[mode])
+    try:
+        yield
+    finally:
+        fm._ops.ops._addmm_sm90_mode(prev)
+
+
+def _sm90_kernel_ran(fn) -> bool:
+    """Whether fn() launched the sm_90 addmm kernel (its name carries the namespace fm_addmm_sm90)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("fm_addmm_sm90" in e.name for e in prof.events())
+
+
+@requires_sm90
+@pytest.mark.parametrize("shape", SM90_SHAPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias_kind", ["same", "fp32", "none"])
+@pytest.mark.parametrize("config", ["pingpong", "cooperative"])
+def test_sm90_forward_rounded_once(fm, shape, act, dtype, layout, bias_kind, config):
+    x, w_kn, b = _make(shape, dtype, "cuda", layout=layout, bias=bias_kind != "none")
+    if bias_kind == "fp32":
+        b = (b.float() + 0.1234567).contiguous()  # not representable in the input dtype
+    with _sm90_mode(fm, config):
+        assert _sm90_kernel_ran(lambda: _call(fm, layout, b, x, w_kn, act))
+        out = _call(fm, layout, b, x, w_kn, act)
+    assert out.shape == (shape[0], shape[2]) and out.dtype == dtype
+    assert_rounded_once(out, b, x, w_kn, act)
+    ref32 = fm.addmm_reference(b, x, w_kn, activation=act)
+    assert_2x_rule(out, ref32, _torch_same_dtype(b, x, w_kn, act))
+
+
+@requires_sm90
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias_dtype", ["same", "fp32"])
+def test_sm90_epilogue_matches_the_cublaslt_path_bitwise(fm, act, dtype, layout, bias_dtype):
+    """With operands whose products sum exactly in fp32 (multiples of 1/8, K = 64) both paths see the same fp32
+    accumulator, so y and the saved preact Z must be bit-identical to the fp32-accumulator path (the same epilogue
+    math, kernels_src/cuda/addmm_act.cuh)."""
+    m, k, n = 1100, 64, 264
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(-8, 9, (m, k), generator=g) / 8).to("cuda", dtype)
+    w = (torch.randint(-8, 9, (n, k), generator=g) / 32).to("cuda", dtype)
+    w_kn = w.t() if layout == "linear" else w.t().contiguous()
+    b = torch.randn(n, generator=g).to("cuda", dtype if bias_dtype == "same" else torch.float32)
+    actname = act or "none"
+    ops = fm._ops.ops
+    with _sm90_mode(fm, "on"):
+        assert _sm90_kernel_ran(lambda: ops.addmm_fwd(b, x, w_kn, actname, True, [m, n]))
+        y, z = ops.addmm_fwd(b, x, w_kn, actname, True, [m, n])
+    prev = ops._addmm_lt_force_fallback(1)  # cuBLASLt's fp32 GEMM + the bias/activation kernel
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y_lt, z_lt = ops.addmm_fwd(b, x, w_kn, actname, True, [m, n])
+    finally:
+        ops._addmm_lt_force_fallback(prev)
+    assert torch.equal(y, y_lt)
+    assert torch.equal(z, z_lt)
+    assert z.numel() == (0 if act is None else m * n)
+
+
+@requires_sm90
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_sm90_training(fm, act, dtype, layout):
+    """Training forward through the CUTLASS kernel (preact Z saved by its epilogue): the output equals the
+    inference forward's bit for bit, and the gradients pass the 2x rule against fp64."""
+    shape = (1100, 504, 1000)
+    m, k, n = shape
+    x, w_kn, b = _make(shape, dtype, "cuda", layout=layout)
+    w_param = w_kn.t().contiguous() if layout == "linear" else w_kn.contiguous()
+    gy = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+
+    def fn(xx, ww, bb):
+        return fm.linear(xx, ww, bb, activation=act) if layout == "linear" else fm.addmm(bb, xx, ww, activation=act)
+
+    def run(xx, ww, bb, f):
+        xx, ww, bb = (t.detach().clone().requires_grad_() for t in (xx, ww, bb))
+        y = f(xx, ww, bb)
+        y.backward(gy.to(xx.dtype))
+        return y.detach(), (xx.grad, ww.grad, bb.grad)
+
+    with _sm90_mode(fm, "on"):
+        assert _sm90_kernel_ran(lambda: run(x, w_param, b, fn))
+        y, ours = run(x, w_param, b, fn)
+        with torch.no_grad():
+            assert torch.equal(y, fn(x, w_param, b))
+    if layout == "linear":
+        _, ref = run(x.double(), w_param.double(), b.double(), lambda xx, ww, bb: _act64(F.linear(xx, ww, bb), act))
+        _, theirs = run(x, w_param, b, lambda xx, ww, bb: _torch_same_dtype(bb, xx, ww.t(), act))
+    else:
+        _, ref = run(x.double(), w_param.double(), b.double(),
+                     lambda xx, ww, bb: _act64(torch.addmm(bb, xx, ww), act))
+        _, theirs = run(x, w_param, b, lambda xx, ww, bb: _torch_same_dtype(bb, xx, ww, act))
+    assert_rounded_once(y, b, x, w_kn, act)
+    for o, r, t, what in zip(ours, ref, theirs, ("dx", "dw", "db")):
+        assert o.dtype == dtype
+        assert_2x_rule(o, r, t, name=what)
+
+
+@requires_sm90
+def test_sm90_dispatch_rule(fm):
+    """auto: M >= 1024 with a bias or an activation; on: wherever runnable; off: never. Operands the kernel
+    cannot take (N % 8 != 0, a misaligned row stride, fp32) keep cuBLASLt, with the same numerics."""
+    x, w_kn, b = _make((2048, 256, 512), torch.bfloat16, "cuda")
+    runs = lambda *a, act="gelu": _sm90_kernel_ran(lambda: fm.addmm(*a, activation=act))  # noqa: E731
+    with _sm90_mode(fm, "auto"):
+        assert runs(b, x, w_kn) and runs(b, x, w_kn, act=None) and runs(None, x, w_kn)
+        assert not runs(None, x, w_kn, act=None)  # plain mm: cuBLASLt
+        assert not runs(b, x[:512], w_kn)  # below the row threshold
+    with _sm90_mode(fm, "on"):
+        assert runs(b, x[:512], w_kn) and runs(None, x, w_kn, act=None)
+        xs, ws, bs = _make((1030, 256, 1001), torch.bfloat16, "cuda")  # N = 1001
+        assert not runs(bs, xs, ws)
+        assert_rounded_once(fm.addmm(bs, xs, ws, activation="gelu"), bs, xs, ws, "gelu")
+        xp = torch.zeros(1030, 260, device="cuda", dtype=torch.bfloat16)[:, :256].copy_(x[:1030])  # row stride 260
+        assert not runs(b, xp, w_kn)
+        assert_rounded_once(fm.addmm(b, xp, w_kn, activation="gelu"), b, xp, w_kn, "gelu")
+        x32, w32, b32 = _make((1030, 256, 512), torch.float32, "cuda")
+        assert not runs(b32, x32, w32)
+    with _sm90_mode(fm, "off"):
+        assert not runs(b, x, w_kn)
+
+
+@requires_sm90
+@pytest.mark.parametrize("act", ACTS)
+def test_sm90_off_is_the_cublaslt_path(fm, act):
+    """Off: cuBLASLt exactly as before (bit-identical to a second off call, no sm_90 kernel); on vs off: both are
+    one rounding of the same value, so they differ at most by the fp32 accumulation order."""
+    x, w_kn, b = _make((2048, 1024, 1000), torch.bfloat16, "cuda")
+    with _sm90_mode(fm, "off"):
+        assert not _sm90_kernel_ran(lambda: fm.addmm(b, x, w_kn, activation=act))
+        off = fm.addmm(b, x, w_kn, activation=act)
+        assert torch.equal(off, fm.addmm(b, x, w_kn, activation=act))
+    with _sm90_mode(fm, "on"):
+        on = fm.addmm(b, x, w_kn, activation=act)
+    assert_rounded_once(off, b, x, w_kn, act)
+    assert_rounded_once(on, b, x, w_kn, act)
+    torch.testing.assert_close(on, off, rtol=2 * UNIT[torch.bfloat16], atol=1e-3)
+
+
+@requires_sm90
+@pytest.mark.parametrize("value", ["off", "cooperative", "bogus"])
+def test_sm90_environment_knob(value):
+    """FUSED_MLP_ADDMM_SM90 is read once per process (hence a child process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import ROOT
+
+    code = textwrap.dedent(
+        """
+        import pathlib, sys, torch, kernels
+        sys.path[:0] = ["tests", "tests/ops"]
+        import test_addmm as T
+        fm = kernels.get_local_kernel(pathlib.Path(T_ROOT))
+        x, w_kn, b = T._make((2048, 256, 512), torch.bfloat16, "cuda")
+        try:
+            ran = T._sm90_kernel_ran(lambda: fm.addmm(b, x, w_kn, activation="gelu"))
+        except RuntimeError as e:
+            print("ERROR", e)
+        else:
+            T.assert_rounded_once(fm.addmm(b, x, w_kn, activation="gelu"), b, x, w_kn, "gelu")
+            print("RAN" if ran else "NOT-RAN")
+        """
+    ).replace("T_ROOT", repr(str(ROOT)))
+    env = {**os.environ, "FUSED_MLP_ADDMM_SM90": value, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    want = {"off": "NOT-RAN", "cooperative": "RAN", "bogus": "ERROR"}[value]
+    assert proc.returncode == 0 and want in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if value == "bogus":
+        assert "FUSED_MLP_ADDMM_SM90 must be" in proc.stdout
