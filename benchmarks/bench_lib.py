@@ -280,8 +280,9 @@ def cuda_graph_times(fns: dict[str, Callable[[], Any]], *, calls: int = 20, roun
                      warm_ms: float = 20.0) -> dict[str, Timing]:
     """``cuda_graph_time`` for several providers of one shape, decided from interleaved rounds: every ``fn`` is
     captured in its own graph first, the graphs are replayed for ``warm_ms`` each (clocks up, as in a running decode
-    loop), then each round replays every graph once, in an order that rotates. A provider timed alone right after
-    host-side work (compilation, capture) runs at lower clocks: measured 2x slower for a ~2 us kernel on the H200."""
+    loop), then each round replays every graph once, back to back, in an order that rotates (benchmarks/crossover.py's
+    method). Timed alone, one synchronised replay at a time right after capture, a ~2 us kernel read 2x slower on
+    the H200 than in crossover.py's rounds."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -299,7 +300,6 @@ def cuda_graph_times(fns: dict[str, Callable[[], Any]], *, calls: int = 20, roun
         g.replay()  # the first replay uploads the graph
         graphs[name] = g
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for g in graphs.values():
         t0 = time.perf_counter()
         while (time.perf_counter() - t0) * 1e3 < warm_ms:
@@ -308,13 +308,19 @@ def cuda_graph_times(fns: dict[str, Callable[[], Any]], *, calls: int = 20, roun
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     names = list(graphs)
     for r in range(rounds):
+        # One round: every graph once, back to back between event pairs, one synchronisation at the end (the GPU
+        # stays busy, as in a decode loop; crossover.py's method).
         k = r % len(names)
+        evs = []
         for name in names[k:] + names[:k]:
-            start.record()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
             graphs[name].replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) / calls)
+            b.record()
+            evs.append((name, a, b))
+        torch.cuda.synchronize()
+        for name, a, b in evs:
+            samples[name].append(a.elapsed_time(b) / calls)
     del graphs
     out = {}
     for name, s in samples.items():
