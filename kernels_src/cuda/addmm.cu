@@ -149,7 +149,7 @@ __global__ void bias_act_kernel(const float* acc,             // [M, N] contiguo
     }
     Pack<TO, VEC> p;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TO>(act_fwd<ACT>(v[j]));
+    for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TO>(act_fwd<ACT, !std::is_same_v<TO, float>>(v[j]));
     *reinterpret_cast<Pack<TO, VEC>*>(y + e) = p;
   }
 }

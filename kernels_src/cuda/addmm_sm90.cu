@@ -252,7 +252,7 @@ struct BiasActEpilogue {
               zw[w] = pack2<E>(v0, v1);
               using fused_mlp::cuda::addmm_math::act_fwd;
               yw[w] = ACT == fused_mlp::cuda::addmm_math::kActNone ? zw[w]
-                                                                    : pack2<E>(act_fwd<ACT>(v0), act_fwd<ACT>(v1));
+                                                                    : pack2<E>(act_fwd<ACT, true>(v0), act_fwd<ACT, true>(v1));
             }
             *reinterpret_cast<uint4*>(y + off) = make_uint4(yw[0], yw[1], yw[2], yw[3]);
             if (z != nullptr) *reinterpret_cast<uint4*>(z + off) = make_uint4(zw[0], zw[1], zw[2], zw[3]);
