@@ -1493,10 +1493,10 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
 // Tuning table of the few-rows path (rms_norm_fwd_small_kernel).
 //   packs per thread by row length in packs NV (threads per row = NV / packs): N <= 2048 bf16 -> 1 pack,
 //     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row (not swept yet: the knob's ",packs=" does).
-//   "auto" never takes it: on the H200 it measured as fast as the persistent kernels' one-row-per-block path, not
-//   faster, at every M <= 1024 -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on selects it.
+//   "auto" takes it up to M = 64: 0.63-0.91x the reg kernel's CUDA-graph time at M = 1..64, N = 2048..8192, plain
+//   and fused add (H200) -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on|off forces it.
 int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
-int64_t small_max_rows(int64_t) { return 0; }
+int64_t small_max_rows(int64_t) { return 64; }
 
 // FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process.
 SmallKnob rms_small_knob() {

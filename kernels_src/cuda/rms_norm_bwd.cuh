@@ -241,9 +241,9 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
 // ---- host ------------------------------------------------------------------------------------------------------
 
 // FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2], read once per process ("dynamic" at the first read:
-// re-read at every call, so one process can A/B the kernels). auto: the register kernel wherever it applies
-// (aligned rows, N % VEC == 0, N <= its limit); reg: the same (it cannot run elsewhere); legacy: the rows / wide
-// kernels only. packs: force PACKS (ignored where it cannot hold the row or exceeds the register budget).
+// re-read at every call, so one process can A/B the kernels). auto: the rows / wide kernels (the register kernel
+// measured no faster on the H200: 0.77-1.0x of the rows kernel's time, -- docs/tuning-log.md#rmsnorm-bwd-reg);
+// reg: the register kernel wherever it applies (aligned rows, N % VEC == 0, N <= its limit); legacy: = auto. packs: force PACKS (ignored where it cannot hold the row or exceeds the register budget).
 struct BwdKnob {
   enum Mode { kAuto, kReg, kLegacy };
   Mode mode = kAuto;
@@ -294,7 +294,7 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
                     const Tensor& like, Tensor& partial, int& partial_rows) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   const BwdKnob knob = bwd_knob();
-  if (knob.mode == BwdKnob::kLegacy || !a.vec_ok || a.N % VEC != 0) return false;
+  if (knob.mode != BwdKnob::kReg || !a.vec_ok || a.N % VEC != 0) return false;
   const int64_t NV = a.N / VEC;
   BwdRegConfig c;
   auto max_threads = [](int packs) {

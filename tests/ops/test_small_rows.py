@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MS = [1, 2, 3, 7, 16, 63, 64, 65]
 NS = [1, 3, 128, 256, 512, 1000, 2048, 2304, 4096, 5376, 8192, 16384]
-# The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows: rms_norm's few-rows kernel is never
-# taken in auto; geglu.cu kSmallMaxElems): the row counts on both sides are tested too.
-RMS_AUTO_MAX_ROWS: tuple[tuple[int, int], ...] = ()
+# The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows: rms_norm's few-rows kernel up to
+# M = 64 rows at every N it holds; geglu.cu kSmallMaxElems): the row counts on both sides are tested too.
+RMS_AUTO_MAX_ROWS: tuple[tuple[int, int], ...] = ((16384, 64),)
 GEGLU_AUTO_MAX_ELEMS = 1 << 17
 
 
@@ -203,8 +203,8 @@ def _mode(var: str) -> str:
 
 
 def test_path_follows_knob(fm):
-    """Under each knob setting the launcher takes the kernel it names (auto: rms_norm's persistent path, the gated
-    activation's few-elements kernel at T = 1)."""
+    """Under each knob setting the launcher takes the kernel it names (auto: rms_norm's few-rows kernel at M = 1 and
+    the reg kernel at M = 8192, the gated activation's few-elements kernel at T = 1)."""
     rms, act = _mode("FUSED_MLP_RMS_NORM_SMALL"), _mode("FUSED_MLP_GEGLU_SMALL")
     if rms == "dynamic" or act == "dynamic":
         pytest.skip("dynamic knobs (benchmarks only)")
@@ -213,7 +213,7 @@ def test_path_follows_knob(fm):
     xl = torch.randn((8192, 4096), device="cuda", dtype=torch.bfloat16)
     small1 = any("rms_norm_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.rms_norm(x1, w)))
     small_l = any("rms_norm_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.rms_norm(xl, w)))
-    assert small1 == (rms == "on"), (rms, small1)  # auto never takes rms_norm's few-rows kernel
+    assert small1 == (rms != "off"), (rms, small1)  # auto: the few-rows kernel up to M = 64
     assert small_l == (rms == "on"), (rms, small_l)
     g1, u1 = inputs((1, 8192), torch.bfloat16, "cuda")
     gl, ul = (torch.randn((4096, 16384), device="cuda", dtype=torch.bfloat16) for _ in range(2))
