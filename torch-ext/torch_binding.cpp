@@ -24,6 +24,13 @@
   ops.def(                                                                                                       \
       "rms_norm_bwd(Tensor dy, Tensor h, Tensor rstd, Tensor? weight, Tensor? dh_extra, float offset, "         \
       "ScalarType dx_dtype, bool compute_dw) -> (Tensor, Tensor)");                                              \
+  /* Inference (no autograd): the forward's y alone (add: y and h), no rstd. y is x's dtype, or fp32 when       \
+     out_f32 (a bool, not a ScalarType: a dtype argument costs ~0.3 us of Python parsing per call); h takes the   \
+     residual's dtype. The per-call host cost is what decode pays per norm: docs/tuning-log.md#host-path. */     \
+  ops.def("rms_norm_infer(Tensor x, Tensor? weight, float eps, float offset, bool out_f32) -> Tensor");         \
+  ops.def(                                                                                                       \
+      "rms_norm_add_infer(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, bool out_f32) "    \
+      "-> (Tensor, Tensor)");                                                                                    \
   /* addmm / linear. out_shape: the caller's [..., N] (SymInt[]: torch.compile keeps token counts symbolic) */    \
   ops.def(                                                                                                       \
       "addmm_fwd(Tensor? bias, Tensor mat1, Tensor mat2, str activation, bool save_preact, SymInt[] out_shape) " \
@@ -60,6 +67,8 @@ STABLE_TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
   ops.impl("rms_norm_fwd", TORCH_BOX(&rms_norm_fwd_cpu));
   ops.impl("rms_norm_bwd", TORCH_BOX(&rms_norm_bwd_cpu));
+  ops.impl("rms_norm_infer", TORCH_BOX(&rms_norm_infer_cpu));
+  ops.impl("rms_norm_add_infer", TORCH_BOX(&rms_norm_add_infer_cpu));
   ops.impl("addmm_fwd", TORCH_BOX(&addmm_fwd_cpu));
   ops.impl("addmm_bwd", TORCH_BOX(&addmm_bwd_cpu));
   ops.impl("geglu_fwd", TORCH_BOX(&geglu_fwd_cpu));
@@ -71,6 +80,8 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
 STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("rms_norm_fwd", TORCH_BOX(&rms_norm_fwd_cuda));
   ops.impl("rms_norm_bwd", TORCH_BOX(&rms_norm_bwd_cuda));
+  ops.impl("rms_norm_infer", TORCH_BOX(&rms_norm_infer_cuda));
+  ops.impl("rms_norm_add_infer", TORCH_BOX(&rms_norm_add_infer_cuda));
   ops.impl("addmm_fwd", TORCH_BOX(&addmm_fwd_cuda));
   ops.impl("addmm_bwd", TORCH_BOX(&addmm_bwd_cuda));
   ops.impl("geglu_fwd", TORCH_BOX(&geglu_fwd_cuda));
@@ -115,6 +126,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 
   ops.impl("rms_norm_fwd", c10::kCPU, &rms_norm_fwd_cpu);
   ops.impl("rms_norm_bwd", c10::kCPU, &rms_norm_bwd_cpu);
+  ops.impl("rms_norm_infer", c10::kCPU, &rms_norm_infer_cpu);
+  ops.impl("rms_norm_add_infer", c10::kCPU, &rms_norm_add_infer_cpu);
   ops.impl("addmm_fwd", c10::kCPU, &addmm_fwd_cpu);
   ops.impl("addmm_bwd", c10::kCPU, &addmm_bwd_cpu);
   ops.impl("geglu_fwd", c10::kCPU, &geglu_fwd_cpu);
@@ -123,6 +136,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 #if defined(CUDA_KERNEL)
   ops.impl("rms_norm_fwd", c10::kCUDA, &rms_norm_fwd_cuda);
   ops.impl("rms_norm_bwd", c10::kCUDA, &rms_norm_bwd_cuda);
+  ops.impl("rms_norm_infer", c10::kCUDA, &rms_norm_infer_cuda);
+  ops.impl("rms_norm_add_infer", c10::kCUDA, &rms_norm_add_infer_cuda);
   ops.impl("addmm_fwd", c10::kCUDA, &addmm_fwd_cuda);
   ops.impl("addmm_bwd", c10::kCUDA, &addmm_bwd_cuda);
   ops.impl("geglu_fwd", c10::kCUDA, &geglu_fwd_cuda);

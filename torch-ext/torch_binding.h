@@ -31,6 +31,13 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
 std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
     const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
     const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw);
+// Inference: the forward's y (x's dtype, fp32 when out_f32) and, with a residual, h (the residual's dtype); no rstd
+// is returned (fewer outputs to box: the per-call host cost at decode size, docs/tuning-log.md#host-path).
+Tensor rms_norm_infer_cpu(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
+                          bool out_f32);
+std::tuple<Tensor, Tensor> rms_norm_add_infer_cpu(const Tensor& x, const Tensor& residual,
+                                                  const std::optional<Tensor>& weight, double eps, double offset,
+                                                  bool out_f32);
 
 #if defined(CUDA_KERNEL)
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
@@ -39,6 +46,11 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
 std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
     const Tensor& dy, const Tensor& h, const Tensor& rstd, const std::optional<Tensor>& weight,
     const std::optional<Tensor>& dh_extra, double offset, ScalarType dx_dtype, bool compute_dw);
+Tensor rms_norm_infer_cuda(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
+                           bool out_f32);
+std::tuple<Tensor, Tensor> rms_norm_add_infer_cuda(const Tensor& x, const Tensor& residual,
+                                                   const std::optional<Tensor>& weight, double eps, double offset,
+                                                   bool out_f32);
 #endif
 
 // ---- addmm / linear ------------------------------------------------------------------------------------------

@@ -83,10 +83,31 @@ using Sizes = std::vector<int64_t>;
 
 // ---- tensors -----------------------------------------------------------------------------------------------
 
-// A new tensor on `like`'s device.
+// A new contiguous tensor on `like`'s device.
 inline Tensor empty(const Sizes& sizes, ScalarType dtype, const Tensor& like) {
 #if defined(FUSED_MLP_STABLE_ABI)
-  return torch::stable::new_empty(like, sizes, dtype);
+  // One direct shim call (CPU: empty_strided_cpu; else at::empty_strided). torch::stable::new_empty goes through
+  // torch_call_dispatcher: an op lookup by name and a boxed call per tensor, ~1 us each (docs/tuning-log.md#host-path).
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  int64_t strides[16];
+  std::vector<int64_t> strides_heap;
+  int64_t* st = strides;
+  if (nd > 16) {
+    strides_heap.resize(static_cast<size_t>(nd));
+    st = strides_heap.data();
+  }
+  int64_t step = 1;
+  for (int64_t d = nd - 1; d >= 0; --d) {  // torch's contiguous strides (a 0 or 1 size counts as 1)
+    st[d] = step;
+    step *= sizes[d] > 1 ? sizes[d] : 1;
+  }
+  int32_t device_type = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  const int32_t aoti_dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), st, aoti_dtype, device_type,
+                                                         static_cast<int32_t>(like.get_device_index()), &out));
+  return Tensor(out);
 #else
   return at::empty(sizes, like.options().dtype(dtype));
 #endif
@@ -154,7 +175,18 @@ inline Tensor as_rows_view(const Tensor& t) {
   if (t.dim() == 2) return t;
   int64_t m = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) m *= t.size(d);
-  return fused_mlp::reshape(t, {m, t.size(t.dim() - 1)});
+  const int64_t n = t.size(t.dim() - 1);
+#if defined(FUSED_MLP_STABLE_ABI)
+  if (t.is_contiguous()) {
+    // A plain alias with the row shape (one shim call); reshape is a boxed dispatcher call by name (~1 us).
+    const int64_t sizes[2] = {m, n};
+    const int64_t strides[2] = {n, 1};
+    AtenTensorHandle out = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), 2, sizes, strides, 0, &out));
+    return Tensor(out);
+  }
+#endif
+  return fused_mlp::reshape(t, {m, n});
 }
 
 inline void zero_(Tensor& t) {

@@ -299,3 +299,19 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
   }
   return {dx, dw};
 }
+
+// Inference entry points: the forward above, returning y (and h) only. Fewer outputs through the op boundary is
+// the saving (each boxed, wrapped and freed by Python; docs/tuning-log.md#host-path); the kernel is the same.
+Tensor rms_norm_infer_cpu(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
+                          bool out_f32) {
+  return std::get<0>(
+      rms_norm_fwd_cpu(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt));
+}
+
+std::tuple<Tensor, Tensor> rms_norm_add_infer_cpu(const Tensor& x, const Tensor& residual,
+                                                  const std::optional<Tensor>& weight, double eps, double offset,
+                                                  bool out_f32) {
+  auto [y, h, rstd] = rms_norm_fwd_cpu(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
+                                       residual.scalar_type());
+  return {y, h};
+}

@@ -2167,3 +2167,19 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
   }
   return {dx, dw};
 }
+
+// Inference entry points: rms_norm_fwd_cuda, returning y (and h) only. Fewer outputs through the op boundary is the
+// saving (each boxed, wrapped and freed by Python; docs/tuning-log.md#host-path); the launch is the same.
+Tensor rms_norm_infer_cuda(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
+                           bool out_f32) {
+  return std::get<0>(
+      rms_norm_fwd_cuda(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt));
+}
+
+std::tuple<Tensor, Tensor> rms_norm_add_infer_cuda(const Tensor& x, const Tensor& residual,
+                                                   const std::optional<Tensor>& weight, double eps, double offset,
+                                                   bool out_f32) {
+  auto [y, h, rstd] = rms_norm_fwd_cuda(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
+                                        residual.scalar_type());
+  return {y, h};
+}

@@ -124,3 +124,58 @@ def test_kernelize_inference_llama_fp32_weight(fm, device):
     ref = as_fp64(model[0])(x.double())
     assert got.dtype == expected.dtype == torch.float32
     assert_2x_rule(got, ref, expected, name="y")
+
+
+class _OpSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.startswith("_fused_mlp"):
+            self.names.append(func._schema.name.split("::")[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("w_dtype", ["same", torch.float32], ids=["w=x.dtype", "w=fp32"])
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, GemmaRMSNorm], ids=lambda c: c.__name__)
+def test_layer_decode_inference_path(fm, device, cls, w_dtype):
+    """One token without autograd (the decode step): the layer runs rms_norm_infer, with exactly the values and
+    dtype of its autograd forward."""
+    n = 2048
+    module = build(cls, n, torch.bfloat16 if w_dtype == "same" else w_dtype, device)
+    forward = layer_for(fm, cls).forward
+    x = torch.randn(1, 1, n).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad(), _OpSpy() as spy:
+        y = forward(module, x)
+    assert spy.names == ["rms_norm_infer"]
+    y_grad = forward(module, x.clone().requires_grad_())
+    assert y.dtype == y_grad.dtype == cls.forward(module, x).dtype and torch.equal(y, y_grad.detach())
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_layer_compile_fullgraph(fm, device, policy, grad, monkeypatch):
+    """The layer under torch.compile(fullgraph=True), with and without autograd, under both compile policies
+    (decomposition / our op, the inference op without autograd): no graph break, the eager values within the
+    2x rule."""
+    import torch._dynamo
+
+    monkeypatch.setenv("FUSED_MLP_UNDER_COMPILE", policy)
+    torch._dynamo.reset()
+    n = 256
+    module = build(LlamaRMSNorm, n, torch.bfloat16, device)
+    forward = layer_for(fm, LlamaRMSNorm).forward
+    compiled = torch.compile(lambda t: forward(module, t), fullgraph=True, backend="inductor")
+    x = torch.randn(3, 5, n).to(device=device, dtype=torch.bfloat16).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        got = compiled(x)
+        want = forward(module, x)
+    ref = as_fp64(module)(x.detach().double())
+    assert_2x_rule(got.detach(), ref, LlamaRMSNorm.forward(module, x.detach()), name="y")
+    assert got.dtype == want.dtype
+    if grad:
+        (gx,) = torch.autograd.grad(got.float().sum(), (x,))
+        (wx,) = torch.autograd.grad(want.float().sum(), (x,))
+        torch.testing.assert_close(gx, wx, rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()

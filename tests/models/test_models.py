@@ -134,6 +134,8 @@ FAMILIES = {
 }
 # fused-mlp ops each replaced module runs once per forward (backward) pass.
 FWD_OP = {"RMSNorm": "rms_norm_fwd", "GemmaRMSNorm": "rms_norm_fwd", "GeGLUMLP": "geglu_fwd", "Conv1D": "addmm_fwd"}
+# Without autograd (no_grad / inference_mode) the norms run the inference op, which returns y alone.
+INFER_OP = dict(FWD_OP, RMSNorm="rms_norm_infer", GemmaRMSNorm="rms_norm_infer")
 BWD_OP = {"RMSNorm": "rms_norm_bwd", "GemmaRMSNorm": "rms_norm_bwd", "GeGLUMLP": "geglu_bwd_",
           "Conv1D": "addmm_bwd"}
 # Layers whose op traces its fp32 decomposition under torch.compile by default (policy "auto": Inductor fuses it with
@@ -227,7 +229,7 @@ class OpCounter(TorchDispatchMode):
 def expected_ops(family: str, backward: bool) -> Counter:
     want: Counter = Counter()
     for layer, n in FAMILIES[family].replaced.values():
-        want[FWD_OP[layer]] += n
+        want[(FWD_OP if backward else INFER_OP)[layer]] += n
         if backward:
             want[BWD_OP[layer]] += n
     return want

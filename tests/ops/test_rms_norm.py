@@ -277,6 +277,135 @@ def test_bad_arguments(fm, device):
     assert fm.rms_norm(x, w, 0) is not None  # an int eps is a valid float
 
 
+# ---- the inference ops (no autograd: y alone, or y and h) ---------------------------------------------------
+
+
+class OpSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the fused-mlp ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns, _, name = func._schema.name.partition("::")
+        if ns.startswith("_fused_mlp"):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+INFER_CASES = [  # (shape, x dtype, weight dtype or None, offset, out_f32)
+    ((1, 2048), torch.bfloat16, torch.bfloat16, 0.0, False),
+    ((1, 1, 2048), torch.bfloat16, torch.float32, 0.0, True),
+    ((1, 1, 2048), torch.float32, torch.float32, 1.0, False),
+    ((5, 64), torch.float16, None, 0.0, False),
+    ((3, 7, 1000), torch.float16, torch.float16, 1.0, True),
+    ((0, 64), torch.bfloat16, torch.bfloat16, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("case", INFER_CASES, ids=lambda c: f"{list(c[0])}-{str(c[1])[6:]}-w{str(c[2])[6:]}")
+def test_infer_ops_equal_fwd(fm, device, case):
+    """rms_norm_infer's y and rms_norm_add_infer's (y, h) are the full forward's, bit for bit (the same kernel)."""
+    ops = fm._ops.ops
+    shape, dtype, w_dtype, offset, out_f32 = case
+    x = make(shape, dtype, device)
+    w = None if w_dtype is None else (1 + 0.25 * make(shape[-1:], w_dtype, device, seed=1)).to(w_dtype)
+    out_dtype = torch.float32 if out_f32 else dtype
+    y_full, _, _ = ops.rms_norm_fwd(x, None, w, 1e-6, offset, out_dtype, None)
+    y = ops.rms_norm_infer(x, w, 1e-6, offset, out_f32)
+    assert y.dtype == out_dtype and y.shape == x.shape and torch.equal(y, y_full)
+    for res_dtype in (dtype, torch.float32):
+        r = make(shape, res_dtype, device, seed=2)
+        y_full, h_full, _ = ops.rms_norm_fwd(x, r, w, 1e-6, offset, out_dtype, res_dtype)
+        y, h = ops.rms_norm_add_infer(x, r, w, 1e-6, offset, out_f32)
+        assert h.dtype == res_dtype and torch.equal(y, y_full) and torch.equal(h, h_full)
+
+
+def test_infer_ops_opcheck(fm, device):
+    ops = fm._ops.ops
+    x = make((5, 64), torch.bfloat16, device)
+    w = make((64,), torch.float32, device)
+    r = make((5, 64), torch.float32, device)
+    for args in [(x, w, 1e-6, 0.0, False), (x, None, 1e-6, 1.0, True), (x.view(5, 1, 64), w, 1e-6, 0.0, False),
+                 (x[:0], w, 1e-6, 0.0, False)]:
+        torch.library.opcheck(ops.rms_norm_infer.default, args)
+    for args in [(x, r, w, 1e-6, 0.0, False), (x, x, None, 1e-5, 0.0, True)]:
+        torch.library.opcheck(ops.rms_norm_add_infer.default, args)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode", "enabled"])
+def test_inference_runs_the_infer_op(fm, device, grad):
+    """Whenever no gradient is needed (no_grad, inference_mode, or no input requiring one) rms_norm runs the
+    inference op, with the full forward's values; the residual path runs the add variant."""
+    ops = fm._ops.ops
+    x = make((2, 3, 256), torch.bfloat16, device)
+    w = make((256,), torch.float32, device, seed=1)
+    r = make((2, 3, 256), torch.float32, device, seed=2)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "enabled": torch.enable_grad}[grad]
+    with ctx(), OpSpy() as spy:
+        y = fm.rms_norm(x, w, 1e-6)
+        y2, h2 = fm.rms_norm(x, w, 1e-6, residual=r, residual_dtype=torch.float32)
+        y3 = fm.rms_norm(x, w.bfloat16(), 1e-6, offset=1.0, out_dtype=torch.float32)
+    assert spy.names == ["rms_norm_infer", "rms_norm_add_infer", "rms_norm_infer"]
+    assert torch.equal(y, ops.rms_norm_fwd(x, None, w, 1e-6, 0.0, torch.bfloat16, None)[0])
+    y_full, h_full, _ = ops.rms_norm_fwd(x, r, w, 1e-6, 0.0, torch.bfloat16, torch.float32)
+    assert torch.equal(y2, y_full) and torch.equal(h2, h_full)
+    assert y3.dtype == torch.float32
+    assert torch.equal(y3, ops.rms_norm_fwd(x, None, w.bfloat16(), 1e-6, 1.0, torch.float32, None)[0])
+
+
+def test_grad_needed_runs_the_autograd_function(fm, device):
+    """An input requiring a gradient (grad mode on) takes the autograd path: rms_norm_fwd, then rms_norm_bwd."""
+    x = make((4, 128), torch.float32, device).requires_grad_()
+    w = make((128,), torch.float32, device, seed=1).requires_grad_()
+    for inputs in ((x, w.detach()), (x.detach(), w)):
+        with OpSpy() as spy:
+            y = fm.rms_norm(*inputs)
+            y.sum().backward()
+        assert spy.names == ["rms_norm_fwd", "rms_norm_bwd"] and y.requires_grad
+    with torch.no_grad():
+        assert not fm.rms_norm(x, w).requires_grad
+
+
+def test_infer_fallbacks_keep_the_full_path(fm, device):
+    """Arguments the inference op rejects take the full path: a weight in another half dtype (widened), a strided
+    weight (made contiguous), an out_dtype the kernel cannot write (cast after), a residual to convert, a
+    non-unit-stride 2-D x (copied) -- each the same values as the explicit conversion."""
+    x = make((3, 64), torch.bfloat16, device)
+    w = make((64,), torch.float32, device, seed=1)
+    r = make((3, 64), torch.float16, device, seed=2)
+
+    def rn(*a, **k):
+        with torch.no_grad():
+            return fm.rms_norm(*a, **k)
+
+    assert torch.equal(rn(x, w.half()), rn(x, w.half().float()))
+    strided = make((128,), torch.float32, device)[::2]
+    assert torch.equal(rn(x, strided), rn(x, strided.contiguous()))
+    assert torch.equal(rn(x, w, out_dtype=torch.float16), rn(x, w, out_dtype=torch.float32).half())
+    y, h = rn(x, w, residual=r)
+    y0, h0 = rn(x, w, residual=r.bfloat16())
+    assert torch.equal(y, y0) and torch.equal(h, h0)
+    xt = make((64, 3), torch.bfloat16, device).t()
+    assert torch.equal(rn(xt, w), rn(xt.contiguous(), w))
+    with torch.no_grad(), pytest.raises(ValueError, match="weight is on .* but x is on"):
+        fm.rms_norm(x, w.to("meta"))
+    with torch.no_grad(), pytest.raises(ValueError, match="residual is on"):
+        fm.rms_norm(x, w, residual=x.to("meta"))
+
+
+def test_infer_op_level_checks(fm):
+    ops = fm._ops.ops
+    x = torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        ops.rms_norm_infer(x, torch.ones(7), 1e-6, 0.0, False)
+    with pytest.raises(RuntimeError, match="residual shape"):
+        ops.rms_norm_add_infer(x, torch.ones(4, 7), None, 1e-6, 0.0, False)
+    with pytest.raises(RuntimeError, match="residual_dtype must be x's dtype or float32"):
+        ops.rms_norm_add_infer(x.bfloat16(), x.half(), None, 1e-6, 0.0, False)
+
+
 def test_op_level_checks(fm):
     """The C++ ops check what they rely on even when called directly (no crash, a clear error)."""
     ops = fm._ops.ops
@@ -380,8 +509,10 @@ def test_torch_compile_no_recompile(fm, device, no_recompiles, mode, policy, mon
             assert_2x_rule(gx, scale * dx64, (scale * dx32).to(dtype), name=f"dx (t={t})", floor=2 * FLOOR[dtype])
             assert_2x_rule(gw, dw64, dw32.to(dtype), name=f"dw (t={t})", floor=FLOOR[dtype] * math.sqrt(x.numel() / n))
     # error_on_recompile and fullgraph=True rule out recompiles and graph breaks; the graph that runs is the last one
-    # dynamo handed to the backend (it may restart a trace once, e.g. to specialise eps).
-    assert ("rms_norm_fwd" in graphs[-1]) == (policy == "kernel"), graphs[-1]
+    # dynamo handed to the backend (it may restart a trace once, e.g. to specialise eps). Without autograd the
+    # kernel is the inference op (y alone; with a residual y and h).
+    op = "rms_norm_fwd" if training else "rms_norm_infer" if not res_kw else "rms_norm_add_infer"
+    assert (op in graphs[-1]) == (policy == "kernel"), graphs[-1]
 
 
 # ---- determinism and gradient dtypes ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from ._common import GELU_APPROXIMATE, autocast_dtype, dtensor_type, is_plain, w
 from .addmm import addmm as _addmm
 from .addmm import linear as _linear
 from .gated_mlp import _gated_mlp
-from .rms_norm import rms_norm
+from .rms_norm import _rms_norm_layer_call, rms_norm
 
 __all__ = ["RMSNorm", "GemmaRMSNorm", "GeGLUMLP", "Linear", "Conv1D"]
 
@@ -25,10 +25,13 @@ def _module_forward(module: nn.Module, x: torch.Tensor, why: str) -> torch.Tenso
     return type(module).forward(module, x)
 
 
+_Tensor, _Parameter = torch.Tensor, nn.Parameter
+
+
 def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                     out_dtype: torch.dtype) -> torch.Tensor:
     if is_plain(x) and is_plain(weight):
-        return rms_norm(x, weight, eps, offset=offset, out_dtype=out_dtype)
+        return _rms_norm_layer_call(x, weight, eps, offset, out_dtype)
     # Tensor parallel / sequence parallel: a DTensor input whose rows are whole on every rank (any sharding but
     # along the hidden dim) with a replicated DTensor weight is normalised locally; every row is independent.
     DTensor = dtensor_type()
@@ -59,8 +62,12 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        out_dtype = torch.promote_types(weight.dtype, hidden_states.dtype)
+        params = self._parameters  # a dict read: nn.Module.__getattr__ costs ~0.5 us per call
+        weight = params["weight"] if "weight" in params else self.weight
+        w_dtype, x_dtype = weight.dtype, hidden_states.dtype
+        out_dtype = x_dtype if w_dtype is x_dtype else torch.promote_types(w_dtype, x_dtype)
+        if type(hidden_states) is _Tensor and (type(weight) is _Parameter or type(weight) is _Tensor):
+            return _rms_norm_layer_call(hidden_states, weight, self.variance_epsilon, 0.0, out_dtype)
         return _rms_norm_layer(self, hidden_states, weight, self.variance_epsilon, 0.0, out_dtype)
 
 
@@ -74,7 +81,11 @@ class GemmaRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm_layer(self, x, self.weight, self.eps, 1.0, x.dtype)
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        if type(x) is _Tensor and (type(weight) is _Parameter or type(weight) is _Tensor):
+            return _rms_norm_layer_call(x, weight, self.eps, 1.0, x.dtype)
+        return _rms_norm_layer(self, x, weight, self.eps, 1.0, x.dtype)
 
 
 # ---- GeGLUMLP (gated MLP: Gemma GeGLU, Llama/Qwen SwiGLU) ---------------------------------------------------

@@ -50,9 +50,32 @@ def _rms_norm_bwd_fake(dy, h, rstd, weight, dh_extra, offset, dx_dtype, compute_
     return dx, dw
 
 
+@torch.library.register_fake(add_op_namespace_prefix("rms_norm_infer"))
+def _rms_norm_infer_fake(x, weight, eps, offset, out_f32):
+    return x.new_empty(x.shape, dtype=torch.float32 if out_f32 else x.dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("rms_norm_add_infer"))
+def _rms_norm_add_infer_fake(x, residual, weight, eps, offset, out_f32):
+    return x.new_empty(x.shape, dtype=torch.float32 if out_f32 else x.dtype), residual.new_empty(x.shape)
+
+
 # The OpOverloads themselves: calling them skips the OpOverloadPacket's overload resolution (~1 us per call).
 _fwd = ops.rms_norm_fwd.default
 _bwd = ops.rms_norm_bwd.default
+# Inference (no autograd): y alone (add: y and h). The eager fast path calls their C++ entry (`_op`) directly:
+# OpOverload.__call__ adds only a Python frame (~0.2 us) for ops without a Python-object dispatcher, as these are.
+_infer = ops.rms_norm_infer.default
+_add_infer = ops.rms_norm_add_infer.default
+_infer_call = getattr(_infer, "_op", _infer)
+_add_infer_call = getattr(_add_infer, "_op", _add_infer)
+_Tensor = torch.Tensor
+_F32 = torch.float32
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+# What an inference op raises on arguments the full path may still accept (or rejects with its own error): a C++
+# check (RuntimeError), a schema mismatch (TypeError), a device without a kernel (NotImplementedError).
+_FALLBACK_ERRORS = (RuntimeError, TypeError, NotImplementedError)
 
 
 # ---- autograd ---------------------------------------------------------------------------------------------
@@ -138,6 +161,27 @@ def rms_norm(
         residual_dtype: dtype of ``h`` (``torch.float32`` keeps an fp32 residual stream).
         out_dtype: dtype of ``y`` (default ``x.dtype``); the layers pass the transformers module's dtype.
     """
+    # Inference fast path (eager, no gradient needed; per-call host cost at decode: docs/tuning-log.md#host-path).
+    # The kernel's y (and h) straight from rms_norm_infer(_add), before the checks below: whatever the op rejects
+    # (a weight to widen or make contiguous, a layout it cannot view, wrong shapes, mixed devices) raises there,
+    # before any work, and takes the full path, which converts it or raises the documented error. The one mix the
+    # op cannot see is a meta tensor among real ones (the dispatcher then runs the fake implementation): excluded.
+    if (type(x) is _Tensor and not _is_compiling() and type(eps) is float and 0.0 <= eps < _INF
+            and type(offset) is float and -_INF < offset < _INF
+            and (weight is None or (isinstance(weight, _Tensor) and weight.is_meta is x.is_meta))
+            and (residual is None or (type(residual) is _Tensor and residual.is_meta is x.is_meta))
+            and (not _grad_enabled() or not (x.requires_grad or (weight is not None and weight.requires_grad)
+                                             or (residual is not None and residual.requires_grad)))):
+        x_dtype = x.dtype
+        out_f32 = False if (out_dtype is None or out_dtype is x_dtype) else (True if out_dtype is _F32 else None)
+        if out_f32 is not None:
+            try:
+                if residual is None:
+                    return _infer_call(x, weight, eps, offset, out_f32)
+                if residual.dtype is (x_dtype if residual_dtype is None else residual_dtype):
+                    return _add_infer_call(x, residual, weight, eps, offset, out_f32)
+            except _FALLBACK_ERRORS:
+                pass  # the full path below
     check_tensor(x, "x")
     # Cheap checks first (this runs on every call, inference included); anything unusual gets the full check.
     if type(eps) is not float or not (0.0 <= eps < _INF):  # NaN fails the comparison
@@ -212,24 +256,46 @@ def rms_norm(
                 y = y.view(x.shape)
                 h = h.view(x.shape) if residual is not None else h
     else:
-        # Inference: straight to the kernel. It takes [..., N] itself (viewing the rows in C++ is far cheaper
-        # than a reshape and a view here); only non-viewable layouts are made contiguous first.
-        # x and the residual go in together: both as they are, or both as 2-D rows (the op wants one shape).
-        if ((x.dim() == 2 and (n <= 1 or x.stride(1) == 1)) or x.is_contiguous()) and (
+        # Inference: straight to the kernel, through the ops that return y (and h) only. They take [..., N]
+        # themselves (viewing the rows in C++ is far cheaper than a reshape and a view here); only non-viewable
+        # layouts are made contiguous first. x and the residual go in together: both as they are, or both as 2-D
+        # rows (the op wants one shape).
+        out_f32 = kernel_out_dtype == torch.float32
+        x_in = x
+        if not (((x.dim() == 2 and (n <= 1 or x.stride(1) == 1)) or x.is_contiguous()) and (
             res2 is None or (res2.dim() == 2 and (n <= 1 or res2.stride(1) == 1)) or res2.is_contiguous()
-        ):
-            y, h, _ = _fwd(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+        )):
+            x = as_rows(x, n)
+            res2 = None if res2 is None else as_rows(res2, n)
+        if res2 is None:
+            y = _infer(x, weight, eps, offset, out_f32)
         else:
-            y, h, _ = _fwd(as_rows(x, n), None if res2 is None else as_rows(res2, n), weight, eps, offset,
-                           kernel_out_dtype, h_dtype)
-            if x.dim() != 2:
-                y = y.view(x.shape)
-                h = h.view(x.shape) if residual is not None else h
+            y, h = _add_infer(x, res2, weight, eps, offset, out_f32)
+        if x is not x_in and x_in.dim() != 2:
+            y = y.view(x_in.shape)
+            h = h.view(x_in.shape) if residual is not None else None
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     if residual is None:
         return y
     return y, h
+
+
+def _rms_norm_layer_call(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``rms_norm(x, weight, eps, offset=offset, out_dtype=out_dtype)`` for the layers (plain tensors, no residual;
+    ``offset`` a finite float): positional, with the inference fast path of rms_norm inline (one Python frame less
+    per norm per token: docs/tuning-log.md#host-path)."""
+    if (type(x) is _Tensor and not _is_compiling() and type(eps) is float and 0.0 <= eps < _INF
+            and weight.is_meta is x.is_meta and (not _grad_enabled() or not (x.requires_grad or weight.requires_grad))):
+        x_dtype = x.dtype
+        out_f32 = False if out_dtype is x_dtype else (True if out_dtype is _F32 else None)
+        if out_f32 is not None:
+            try:
+                return _infer_call(x, weight, eps, offset, out_f32)
+            except _FALLBACK_ERRORS:
+                pass  # rms_norm's full path
+    return rms_norm(x, weight, eps, offset=offset, out_dtype=out_dtype)
 
 
 def rms_norm_reference(
