@@ -9,7 +9,8 @@
 // forward runs a CUTLASS 3 GEMM with bias + activation in its epilogue instead of cuBLASLt: the same fp32 math
 // (kernels_src/cuda/addmm_act.cuh), one rounding, and Z in training, without the fp32 [M, N] round trip of the
 // exact path below. FUSED_MLP_ADDMM_SM90 (read once; the private op _addmm_sm90_mode overrides it) picks: auto (the
-// default: M >= kSm90MinM rows and a bias or an activation), on (wherever it can run), off (cuBLASLt always),
+// default: M >= kSm90MinM rows with an activation, M >= kSm90MinMBiasOnly with a bias only), on (wherever it can
+// run), off (cuBLASLt always),
 // pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
 // bypasses it. Everything else, and the backward, is the cuBLASLt path described here.
 //
@@ -323,10 +324,12 @@ struct PlanKeyHash {
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
 // Not measured yet: the backward grid (4 blocks per SM target, 32 x 8 tiles) and the bias/activation kernel grid
 //   (8 blocks per SM, grid-stride) -- docs/tuning-log.md#addmm-grids
-// kSm90MinM: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with a bias or an activation and at least this
-//   many rows take the sm_90 CUTLASS kernel (addmm_sm90.cu) -- docs/tuning-log.md#addmm-sm90-epilogue (placeholder,
-//   H200 measurement pending)
-constexpr int64_t kSm90MinM = 1024;
+// kSm90MinM / kSm90MinMBiasOnly: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation from 256 rows
+//   (1.1-1.4x the cuBLASLt fp32-accumulator path at M 256..2048), bias-only ones (cuBLASLt's one-rounding BIAS
+//   epilogue) from 8192 rows (1.04-1.06x at M 8192; even at 4096^3) take the sm_90 CUTLASS kernel (addmm_sm90.cu)
+//   -- docs/tuning-log.md#addmm-sm90-epilogue
+constexpr int64_t kSm90MinM = 256;
+constexpr int64_t kSm90MinMBiasOnly = 8192;
 constexpr size_t kMaxPlans = 4096;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;
@@ -706,7 +709,8 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   //    no fp32 [M, N] round trip. Not while the cuBLASLt fallback test hook is set (those tests exercise cuBLASLt).
   if ((T == kBFloat16 || T == kHalf) && mode == 0) {
     const Sm90Mode sm = addmm_sm90_mode();
-    const bool wanted = sm == Sm90Mode::kAuto ? M >= kSm90MinM && (bias.has_value() || act != kActNone)
+    const bool wanted = sm == Sm90Mode::kAuto ? (act != kActNone ? M >= kSm90MinM
+                                                                 : bias.has_value() && M >= kSm90MinMBiasOnly)
                                               : sm != Sm90Mode::kOff;
     if (wanted && addmm_sm90_available(device_index(mat1_in))) {
       AddmmSm90Args s;
