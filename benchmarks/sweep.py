@@ -1403,7 +1403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = collect_env(device, fm)
     slug = device_slug(env)
     out_path = Path(args.results_root) / slug / args.csv_name
-    writer = ResultWriter(out_path, env, merge=not args.fresh,
+    writer = ResultWriter(out_path, env, merge=not args.fresh, key=sweep_row_key,
                           mirror=out_mirror(slug, args.csv_name))
     log(f"fused-mlp sweep: {env['device_name']} ({device}), torch {env['torch']}, triton {env['triton'] or '-'}, "
         f"cuda {env['cuda'] or '-'}, liger {env['liger'] or '-'}, kernel {env['kernel_build']}, git {env['git_rev']}")
