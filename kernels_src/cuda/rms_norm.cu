@@ -568,6 +568,15 @@ __device__ __forceinline__ float small_row_sum(float v, int tpr, int rib, float*
   return t;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops when the grid was launched without it): the few-rows kernel waits for
+// the previous grid before touching memory and lets the next one start launching at once.
+__device__ __forceinline__ void pdl_wait_and_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename TX, typename TH, typename TW, bool RES, int PACKS>
 __global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_kernel(const FwdSmallArgs a) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
@@ -587,6 +596,7 @@ __global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_ker
 #pragma unroll
   for (int i = 0; i < PACKS; ++i) has[i] = valid && lane + i * tpr < a.nv;
 
+  pdl_wait_and_release();  // every global access below follows the previous grid (PDL launch)
   // Every load is issued before anything waits on one: weight, x, residual.
   const uint64_t pol = l2_evict_last_policy();
   WPack wv[PACKS];
@@ -1498,6 +1508,14 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
 int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
 int64_t small_max_rows(int64_t) { return 64; }
 
+// Programmatic dependent launch of the few-rows kernel on sm_90+ (FUSED_MLP_RMS_NORM_PDL=0 turns it off; read per
+// call, so one process can A/B it) -- docs/tuning-log.md#rms-norm-decode
+bool small_pdl(const DeviceInfo& info) {
+  if (info.major < 9) return false;
+  const char* e = std::getenv("FUSED_MLP_RMS_NORM_PDL");
+  return e == nullptr || e[0] != '0';
+}
+
 // FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process.
 SmallKnob rms_small_knob() {
   static const SmallKnobReader reader("FUSED_MLP_RMS_NORM_SMALL", "packs");
@@ -1890,9 +1908,22 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
           dispatch_b_or_f32<TX>(b.w_f32, [&](auto wtag) {
             using TW = decltype(wtag);
             dispatch_int<1, 2, 4, 8>(sc.packs, [&](auto pk) {
-              rms_norm_fwd_small_kernel<TX, TH, TW, RES, decltype(pk)::value>
-                  <<<static_cast<unsigned>(grid), sc.threads(), 0, stream>>>(b);
-              FM_KERNEL_LAUNCH_CHECK();
+              auto* kern = &rms_norm_fwd_small_kernel<TX, TH, TW, RES, decltype(pk)::value>;
+              if (!small_pdl(info)) {
+                kern<<<static_cast<unsigned>(grid), sc.threads(), 0, stream>>>(b);
+                FM_KERNEL_LAUNCH_CHECK();
+                return;
+              }
+              cudaLaunchConfig_t cfg = {};
+              cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+              cfg.blockDim = dim3(static_cast<unsigned>(sc.threads()), 1, 1);
+              cfg.stream = stream;
+              cudaLaunchAttribute attr[1];
+              attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+              attr[0].val.programmaticStreamSerializationAllowed = 1;
+              cfg.attrs = attr;
+              cfg.numAttrs = 1;
+              FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, b));
             });
           });
           return;
