@@ -12,6 +12,7 @@ Method. Each (op, shape, provider) is captured once into a CUDA graph of 20 call
 round replays each graph of an (op, N) group once, in a fresh random order, between two CUDA events; the time per
 call is the median over rounds / 20 (p20/p80 recorded too). Providers:
   ours_small  FUSED_MLP_*_SMALL=on     the few-rows kernel wherever it applies
+  ours_small_nopdl                     the same without programmatic dependent launch (FUSED_MLP_*_PDL=0)
   ours_old    FUSED_MLP_*_SMALL=off    the persistent kernels
   ours_auto   FUSED_MLP_*_SMALL=auto   what ships (one of the two, by the launcher's limit)
   inductor    torch.compile of the plain fp32-math definition (token dim dynamic, size 1 its own graph, as sweep.py)
@@ -70,6 +71,7 @@ BWD_M = (1, 16, 64)
 RMS_OPS = ("rms_norm", "add_rms_norm", "gemma_rms_norm")
 ACT_OPS = ("geglu_act", "swiglu_act")
 KNOB = {"rms": "FUSED_MLP_RMS_NORM_SMALL", "act": "FUSED_MLP_GEGLU_SMALL"}
+PDL_KNOB = {"rms": "FUSED_MLP_RMS_NORM_PDL", "act": "FUSED_MLP_GEGLU_PDL"}  # read per call by the launchers
 
 
 # ---- the plain definitions (what Inductor compiles; also the references) -------------------------------------------
@@ -116,6 +118,7 @@ class Graph:
             for _ in range(CALLS):
                 out = fn()
         self.out = out
+        self.fn = fn  # keeps the captured inputs alive: a replay reads them (freed inputs faulted at I = 16384)
         self.times: list[float] = []
 
 
@@ -151,7 +154,7 @@ def quantiles(ts: Sequence[float]) -> tuple[float, float, float]:
 
 def knob_settings(kind: str, configs: bool) -> list[tuple[str, str]]:
     """(provider, knob value) for our kernels."""
-    base = [("ours_small", "on"), ("ours_old", "off"), ("ours_auto", "auto")]
+    base = [("ours_small", "on"), ("ours_small_nopdl", "on"), ("ours_old", "off"), ("ours_auto", "auto")]
     if configs:
         if kind == "rms":
             base += [(f"ours_small_p{p}", f"on,packs={p}") for p in (1, 2, 4, 8)]
@@ -237,7 +240,10 @@ def run_group(fm, writer: ResultWriter, compiled: Compiled, op: str, n: int, ms:
         ours, anchor, ref, same = (act_case if kind == "act" else rms_case)(fm, op, m, n, dtype, compiled)
         for provider, value in knob_settings(kind, configs):
             os.environ[KNOB[kind]] = value
+            if provider.endswith("_nopdl"):  # the few-rows kernel launched without programmatic dependent launch
+                os.environ[PDL_KNOB[kind]] = "0"
             graphs[(m, provider)] = Graph(ours)
+            os.environ.pop(PDL_KNOB[kind], None)
         os.environ[KNOB[kind]] = "auto"
         try:
             graphs[(m, "inductor")] = Graph(anchor)

@@ -9,7 +9,7 @@
 // forward runs a CUTLASS 3 GEMM with bias + activation in its epilogue instead of cuBLASLt: the same fp32 math
 // (kernels_src/cuda/addmm_act.cuh), one rounding, and Z in training, without the fp32 [M, N] round trip of the
 // exact path below. FUSED_MLP_ADDMM_SM90 (read once; the private op _addmm_sm90_mode overrides it) picks: auto (the
-// default: M >= kSm90MinM rows with an activation, M >= kSm90MinMBiasOnly with a bias only), on (wherever it can
+// default: >= kSm90MinTiles output tiles with an activation, and M >= kSm90MinMBiasOnly with a bias only), on (wherever it can
 // run), off (cuBLASLt always),
 // pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
 // bypasses it. Everything else, and the backward, is the cuBLASLt path described here.
@@ -324,11 +324,12 @@ struct PlanKeyHash {
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
 // Not measured yet: the backward grid (4 blocks per SM target, 32 x 8 tiles) and the bias/activation kernel grid
 //   (8 blocks per SM, grid-stride) -- docs/tuning-log.md#addmm-grids
-// kSm90MinM / kSm90MinMBiasOnly: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation from 256 rows
-//   (1.1-1.4x the cuBLASLt fp32-accumulator path at M 256..2048), bias-only ones (cuBLASLt's one-rounding BIAS
-//   epilogue) from 8192 rows (1.04-1.06x at M 8192; even at 4096^3) take the sm_90 CUTLASS kernel (addmm_sm90.cu)
+// kSm90MinTiles / kSm90MinMBiasOnly: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation take the
+//   sm_90 CUTLASS kernel (addmm_sm90.cu) from 256 output tiles of 128 x 128 (about two waves on an H200; below, it
+//   lost to the cuBLASLt fp32-accumulator path at every measured shape: 0.50-1.02x), bias-only ones (cuBLASLt's
+//   one-rounding BIAS epilogue) also need 8192 rows (1.04-1.06x at M 8192; even at 4096^3)
 //   -- docs/tuning-log.md#addmm-sm90-epilogue
-constexpr int64_t kSm90MinM = 256;
+constexpr int64_t kSm90MinTiles = 256;
 constexpr int64_t kSm90MinMBiasOnly = 8192;
 constexpr size_t kMaxPlans = 4096;
 constexpr int kAutotuneCandidates = 8;
@@ -681,7 +682,9 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   const ScalarType T = mat1_in.scalar_type();
   const bool want_z = save_preact && act != kActNone;
   auto y_out = fused_mlp::empty(check_out_shape(out_shape, M, N), T, mat1_in);  // the caller's [..., N]
-  const Tensor y = fused_mlp::view(y_out, {M, N});
+  // y_out is fresh and contiguous: its [M, N] rows through one shim call (a view or contiguous() is a boxed
+  // dispatcher call by name, ~1 us each of the decode-size host cost: docs/tuning-log.md#host-path).
+  const Tensor y = fused_mlp::as_rows_view(y_out);
   auto z = want_z ? fused_mlp::empty({M, N}, T, mat1_in) : fused_mlp::empty({0}, T, mat1_in);
   if (M == 0 || N == 0) return {y_out, z};
   const cudaStream_t stream = current_stream(mat1_in);
@@ -690,7 +693,7 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   // an under-aligned bias slice has faulted elsewhere), N elements: the copy is negligible.
   std::optional<Tensor> bias;
   if (bias_in.has_value()) {
-    Tensor b = fused_mlp::contiguous(*bias_in);
+    Tensor b = bias_in->is_contiguous() ? *bias_in : fused_mlp::contiguous(*bias_in);
     if (alignment_of(b.const_data_ptr()) < 16) b = fused_mlp::clone(b);
     bias = b;
   }
@@ -709,9 +712,11 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   //    no fp32 [M, N] round trip. Not while the cuBLASLt fallback test hook is set (those tests exercise cuBLASLt).
   if ((T == kBFloat16 || T == kHalf) && mode == 0) {
     const Sm90Mode sm = addmm_sm90_mode();
-    const bool wanted = sm == Sm90Mode::kAuto ? (act != kActNone ? M >= kSm90MinM
-                                                                 : bias.has_value() && M >= kSm90MinMBiasOnly)
-                                              : sm != Sm90Mode::kOff;
+    const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
+    const bool wanted = sm == Sm90Mode::kAuto
+                            ? tiles >= kSm90MinTiles &&
+                                  (act != kActNone || (bias.has_value() && M >= kSm90MinMBiasOnly))
+                            : sm != Sm90Mode::kOff;
     if (wanted && addmm_sm90_available(device_index(mat1_in))) {
       AddmmSm90Args s;
       s.a = mat1.const_data_ptr();

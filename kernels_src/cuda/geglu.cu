@@ -49,10 +49,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
 // Few elements (decode, geglu_fwd_small_kernel): one pack per thread, kSmallThreads per block, taken under "auto"
-// while rows * cols <= kSmallMaxElems: faster than the persistent kernel up to T = 16 at I = 8192, even from T = 64
-// -- docs/tuning-log.md#gated-act-decode (block size not swept yet: the knob's ",threads=" does).
+// while rows * cols <= kSmallMaxElems (T = 256 at I = 8192), launched with PDL on sm_90+: never slower than the
+// persistent kernel there -- docs/tuning-log.md#gated-act-decode (block size not swept yet: ",threads=" does).
 constexpr int kSmallThreads = 128;
-constexpr int64_t kSmallMaxElems = int64_t{1} << 17;
+constexpr int64_t kSmallMaxElems = int64_t{1} << 21;
 
 // ---- packed loads/stores ------------------------------------------------------------------------------------
 template <typename T, int N>
@@ -151,6 +151,12 @@ __global__ void __launch_bounds__(512) geglu_fwd_small_kernel(
     T* __restrict__ out,                              // [rows, cols] contiguous
     uint32_t n_packs, FastDiv packs_per_row, bool flat) {
   static_assert(N * sizeof(T) == 16, "one 16-byte pack per thread");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch (no-ops when launched without it): wait for the previous grid's writes (gate/up
+  // come from the GEMM before), then let the next grid start launching at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const uint32_t p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= n_packs) return;
   int64_t go = static_cast<int64_t>(p) * N, uo = go;
@@ -332,17 +338,53 @@ SmallKnob geglu_small_knob() {
   return reader.get();
 }
 
+// Compute capability major of `device`, cached.
+int cc_major(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int v = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
+  if (device >= 0 && device < 64) cached[device] = v;
+  return v;
+}
+
+// Programmatic dependent launch of the few-elements forward on sm_90+ (FUSED_MLP_GEGLU_PDL=0 turns it off; read per
+// call, so one process can A/B it) -- docs/tuning-log.md#gated-act-decode
+bool small_pdl(int device) {
+  if (cc_major(device) < 9) return false;
+  const char* e = std::getenv("FUSED_MLP_GEGLU_PDL");
+  return e == nullptr || e[0] != '0';
+}
+
 // The few-elements forward (vector path only): one launch, one pack per thread.
 template <Act A, typename T, int N>
-void launch_fwd_small(const Tensor& gate, const Tensor& up, const Tensor& out, int threads, cudaStream_t stream) {
+void launch_fwd_small(const Tensor& gate, const Tensor& up, const Tensor& out, int threads, int device,
+                      cudaStream_t stream) {
   const int64_t rows = n_rows(gate), packs_per_row = n_cols(gate) / N;
   const auto n_packs = static_cast<uint32_t>(rows * packs_per_row);  // < 2^31 (the caller checks)
   const bool flat = rows == 1 || (row_stride(gate) == n_cols(gate) && row_stride(up) == n_cols(gate));
   const int grid = static_cast<int>((int64_t{n_packs} + threads - 1) / threads);
-  geglu_fwd_small_kernel<A, T, N><<<grid, threads, 0, stream>>>(
-      cptr<T>(gate, 0), row_stride(gate), cptr<T>(up, 0), row_stride(up), mptr<T>(out, 0), n_packs,
-      FastDiv(static_cast<uint32_t>(packs_per_row)), flat);
-  FM_KERNEL_LAUNCH_CHECK();
+  auto* kern = &geglu_fwd_small_kernel<A, T, N>;
+  const T* g = cptr<T>(gate, 0);
+  const T* u = cptr<T>(up, 0);
+  T* o = mptr<T>(out, 0);
+  const int64_t gs = row_stride(gate), us = row_stride(up);
+  const FastDiv ppr(static_cast<uint32_t>(packs_per_row));
+  if (!small_pdl(device)) {
+    kern<<<grid, threads, 0, stream>>>(g, gs, u, us, o, n_packs, ppr, flat);
+    FM_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, g, gs, u, us, o, n_packs, ppr, flat));
 }
 
 // Packs per thread per iteration of the vector bwd kernel: kBwdUnrollDefault, or FUSED_MLP_GEGLU_TUNE="bwd_unroll=1|2"
@@ -430,7 +472,7 @@ Tensor geglu_fwd_cuda(const Tensor& gate, const Tensor& up, StrArg activation) {
       // `out` is fresh (aligned, stride cols): the vector path needs I % kVec == 0 and aligned inputs.
       const bool vec = cols % kVec == 0 && aligned16(gate) && aligned16(up);
       if (vec && few && elems / kVec < (int64_t{1} << 31))
-        launch_fwd_small<A, T, kVec>(gate, up, out, small_threads, stream);
+        launch_fwd_small<A, T, kVec>(gate, up, out, small_threads, device, stream);
       else if (vec) launch_fwd<A, T, kVec>(gate, up, out, device, stream);
       else launch_fwd<A, T, 1>(gate, up, out, device, stream);
     });

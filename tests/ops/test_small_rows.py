@@ -30,7 +30,7 @@ NS = [1, 3, 128, 256, 512, 1000, 2048, 2304, 4096, 5376, 8192, 16384]
 # The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows: rms_norm's few-rows kernel up to
 # M = 64 rows at every N it holds; geglu.cu kSmallMaxElems): the row counts on both sides are tested too.
 RMS_AUTO_MAX_ROWS: tuple[tuple[int, int], ...] = ((16384, 64),)
-GEGLU_AUTO_MAX_ELEMS = 1 << 17
+GEGLU_AUTO_MAX_ELEMS = 1 << 21
 
 
 def rms_row_counts(n: int) -> list[int]:
@@ -183,6 +183,55 @@ def test_gated_act_nan_inf(fm, act, dtype):
     ref = exact.view(gate.shape).to(gate.device) * up.double()
     floor = floor_for(ref.float()) if dtype == torch.float32 else None
     assert_2x_rule(out, ref, torch_act(act, gate) * up, floor=floor)
+
+
+@pytest.mark.parametrize("var", ["FUSED_MLP_RMS_NORM_PDL", "FUSED_MLP_GEGLU_PDL"])
+def test_pdl_same_bits_and_ordering(fm, monkeypatch, var):
+    """Programmatic dependent launch (sm_90+, on by default; the variable is read per call): the few-rows kernels give
+    the same bits without it, and each waits for the kernel before it -- inputs written by the preceding kernel,
+    eagerly and replayed in a CUDA graph, are read after that write."""
+    T, N = 16, 8192
+    base = make((T, N), torch.bfloat16, "cuda", seed=3)
+    w = 1 + 0.25 * make((N,), torch.bfloat16, "cuda", seed=4)
+    x = torch.empty_like(base)
+
+    def step(scale: float) -> torch.Tensor:
+        torch.mul(base, scale, out=x)  # the producer: a torch kernel right before ours, writing its input
+        if var == "FUSED_MLP_RMS_NORM_PDL":
+            return fm.rms_norm(x, w)
+        return fm.swiglu(x, x)
+
+    def expect(scale: float) -> torch.Tensor:
+        xs = base * scale
+        return fm.rms_norm(xs, w) if var == "FUSED_MLP_RMS_NORM_PDL" else fm.swiglu(xs, xs)
+
+    with_pdl = [step(s).clone() for s in (1.0, -2.0, 0.5)]
+    monkeypatch.setenv(var, "0")
+    without = [step(s).clone() for s in (1.0, -2.0, 0.5)]
+    monkeypatch.delenv(var)
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b), f"{var}: PDL changed the result"
+    for s, a in zip((1.0, -2.0, 0.5), with_pdl):
+        assert torch.equal(a, expect(s))
+    # In a CUDA graph: the producer and ours captured back to back, replayed with a new scale each time.
+    scale = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    out_holder: list[torch.Tensor] = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside capture
+            torch.mul(base, scale, out=x)
+            (fm.rms_norm(x, w) if var == "FUSED_MLP_RMS_NORM_PDL" else fm.swiglu(x, x))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(base, scale, out=x)
+        out_holder.append(fm.rms_norm(x, w) if var == "FUSED_MLP_RMS_NORM_PDL" else fm.swiglu(x, x))
+    for s in (3.0, -0.25, 1.0):
+        scale.fill_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_holder[0], expect(s)), f"{var}: graph replay read stale input (scale {s})"
 
 
 # ---- which kernel runs --------------------------------------------------------------------------------------------

@@ -37,6 +37,13 @@ _OP_ACTIVATION = {None: "none", **{a: a for a in EPILOGUE_ACTIVATIONS if a != "n
 # ---- custom ops: fake implementations for torch.compile --------------------------------------------------
 
 
+# The OpOverloads (calling them skips the packet's overload resolution, ~1 us per call); eager inference calls the
+# C++ entry (`_op`) directly, as rms_norm's fast path does (docs/tuning-log.md#host-path).
+_fwd = ops.addmm_fwd.default
+_bwd = ops.addmm_bwd.default
+_fwd_call = getattr(_fwd, "_op", _fwd)
+
+
 @torch.library.register_fake(add_op_namespace_prefix("addmm_fwd"))
 def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact, out_shape):
     m = mat1.shape[0]
@@ -88,7 +95,7 @@ class _AddmmFunction(torch.autograd.Function):
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != mat2.shape[1]):
             ctx.bias_shape = bias.shape
             bias = _bias_as_row(bias, mat2.shape[1])
-        y, z = ops.addmm_fwd(bias, mat1, mat2, activation, save_preact, out_shape)
+        y, z = _fwd(bias, mat1, mat2, activation, save_preact, out_shape)
         ctx.save_for_backward(mat1, mat2, z if activation != "none" else None)
         ctx.mark_non_differentiable(z)
         ctx.activation = activation
@@ -109,7 +116,7 @@ class _AddmmFunction(torch.autograd.Function):
             dy = dy.to(mat1.dtype)
         bias_shape = ctx.bias_shape
         db_dtype = ctx.bias_dtype if bias_shape is None else torch.float32
-        dx, dw, db = ops.addmm_bwd(
+        dx, dw, db = _bwd(
             dy, z, mat1, mat2, ctx.activation, need_dx, need_dw, ctx.dw_transposed, need_db, db_dtype
         )
         if need_dw and ctx.dw_transposed:
@@ -213,7 +220,8 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
-        return ops.addmm_fwd(bias, x2, w2, act, False, out_shape)[0]
+        fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
+        return fwd(bias, x2, w2, act, False, out_shape)[0]
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)
     return y
 
