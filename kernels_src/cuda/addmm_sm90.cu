@@ -66,6 +66,7 @@
 #include "cuda/addmm_act.cuh"
 #include "cuda/addmm_sm90.h"
 #include "cuda/common.cuh"
+#include "cuda/sm90_sched.cuh"
 #include "torch_binding.h"
 
 #ifndef FUSED_MLP_NO_ARCH
@@ -384,6 +385,9 @@ bool launch(typename G::Kernel::Arguments const& args, int device, cudaStream_t 
   return true;
 }
 
+// The tile schedule (sm90_sched.cuh): CUTLASS's default; no schedule measured ahead at every shape -- docs/tuning-log.md#sm90-tile-schedule
+constexpr Sm90Sched kDefaultSched{1, 0};
+
 template <class E, class Cfg, bool kKMajorB>
 bool run_gemm(const AddmmSm90Args& a) {
   using G = fm_addmm_sm90::Gemm<E, Cfg, kKMajorB>;
@@ -405,7 +409,8 @@ bool run_gemm(const AddmmSm90Args& a) {
       {static_cast<int>(a.M), static_cast<int>(a.N), static_cast<int>(a.K), 1},
       {static_cast<const CE*>(a.a), fm_addmm_sm90::Stride2D{a.lda, {}, 0}, static_cast<const CE*>(a.b), db},
       epi,
-      hw};
+      hw,
+      sm90_sched_args<typename G::Kernel::TileSchedulerArguments>(sm90_sched(kDefaultSched))};
   return launch<G>(args, a.device, a.stream);
 }
 

@@ -57,6 +57,7 @@
 #endif
 
 #include "cuda/common.cuh"
+#include "cuda/sm90_sched.cuh"
 #include "cuda/gated_act.cuh"
 #include "torch_binding.h"
 
@@ -790,6 +791,9 @@ void dispatch_16bit(ScalarType t, const char* what, F&& f) {
   });
 }
 
+// The tile schedule (sm90_sched.cuh): CUTLASS's default; no schedule measured ahead at every shape -- docs/tuning-log.md#sm90-tile-schedule
+constexpr Sm90Sched kDefaultSched{1, 0};
+
 cutlass::KernelHardwareInfo hw_info(int device) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
@@ -872,7 +876,8 @@ std::tuple<Tensor, Tensor, Tensor> gated_gemm_fwd_impl(const char* op, const Ten
              static_cast<const CE*>(w_gate.data_ptr()), static_cast<const CE*>(w_up.data_ptr()),
              fm_sm90::Stride2D{H, {}, 0}},
             epi,
-            hw_info(dev)};
+            hw_info(dev),
+            sm90_sched_args<typename G::Kernel::TileSchedulerArguments>(sm90_sched(kDefaultSched))};
         launch<G>(args, dev, current_stream(x));
       });
     });
@@ -929,7 +934,8 @@ Tensor gated_gemm_bwd_impl(const char* op, const Tensor& dy, const Tensor& w_dow
             {static_cast<const CE*>(dy.data_ptr()), fm_sm90::Stride2D{H, {}, 0},
              static_cast<const CE*>(w_down.data_ptr()), typename G::Stock::StrideB{{}, I, 0}},
             epi,
-            hw_info(dev)};
+            hw_info(dev),
+            sm90_sched_args<typename G::Kernel::TileSchedulerArguments>(sm90_sched(kDefaultSched))};
         launch<G>(args, dev, current_stream(dy));
       });
     });

@@ -902,6 +902,22 @@ def test_sm90_dispatch_rule(fm):
 
 
 @requires_sm90
+@pytest.mark.parametrize("sched", ["swizzle=8", "swizzle=2,raster=m", "raster=n"])
+def test_sm90_tile_schedule_knob_keeps_the_bits(fm, monkeypatch, sched):
+    """FUSED_MLP_SM90_SCHED reorders the persistent CTAs' tiles only: the same bits as the default schedule, both
+    layouts, with and without the saved pre-activation (training)."""
+    for layout in ("linear", "conv1d"):
+        x, w_kn, b = _make((2048, 512, 3072), torch.bfloat16, "cuda", layout=layout)
+        with _sm90_mode(fm, "on"):
+            monkeypatch.delenv("FUSED_MLP_SM90_SCHED", raising=False)
+            base = fm._ops.ops.addmm_fwd(b, x, w_kn, "gelu_tanh", True, [2048, 3072])
+            monkeypatch.setenv("FUSED_MLP_SM90_SCHED", sched)
+            other = fm._ops.ops.addmm_fwd(b, x, w_kn, "gelu_tanh", True, [2048, 3072])
+        for a, c in zip(base, other):
+            assert torch.equal(a, c), (sched, layout)
+
+
+@requires_sm90
 @pytest.mark.parametrize("act", ACTS)
 def test_sm90_off_is_the_cublaslt_path(fm, act):
     """Off: cuBLASLt exactly as before (bit-identical to a second off call, no sm_90 kernel); on vs off: both are

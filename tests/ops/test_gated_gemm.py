@@ -74,6 +74,28 @@ def test_fwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     assert torch.equal(h_only, out) and g0.numel() == 0 and u0.numel() == 0
 
 
+@needs_sm90
+@pytest.mark.parametrize("sched", ["swizzle=8", "swizzle=2,raster=m", "swizzle=4,raster=n", "raster=n", "bogus"])
+def test_tile_schedule_knob_keeps_the_bits(fm, monkeypatch, sched):
+    """FUSED_MLP_SM90_SCHED (kernels_src/cuda/sm90_sched.cuh, read per call) changes only the order in which the
+    persistent CTAs take tiles: forward and backward give the same bits as CUTLASS's default schedule (an unknown
+    value keeps the default)."""
+    t, h, i = 1024, 256, 8192  # more tiles than SMs: every CTA takes several, in the order the schedule sets
+    x, wg, wu, wd = operands(t, h, i, torch.bfloat16)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ops = fm._ops.ops
+
+    def run():
+        out, gate, up = ops.gated_gemm_fwd(x, wg, wu, "gelu_tanh", True)
+        h_bwd = ops.gated_gemm_bwd_(dy, wd, gate, up, "gelu_tanh")
+        return out, h_bwd, gate, up
+
+    base = run()
+    monkeypatch.setenv("FUSED_MLP_SM90_SCHED", sched)
+    for a, b in zip(base, run()):
+        assert torch.equal(a, b), sched
+
+
 @op_cases
 def test_bwd_matches_reference(fm, monkeypatch, schedule, shape, dtype, act):
     monkeypatch.setenv("FUSED_MLP_GATED_GEMM_SCHEDULE", schedule)

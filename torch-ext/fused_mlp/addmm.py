@@ -42,6 +42,12 @@ _OP_ACTIVATION = {None: "none", **{a: a for a in EPILOGUE_ACTIVATIONS if a != "n
 _fwd = ops.addmm_fwd.default
 _bwd = ops.addmm_bwd.default
 _fwd_call = getattr(_fwd, "_op", _fwd)
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_any_autocast = torch._C._is_any_autocast_enabled
+# What the op raises on arguments the full path may still accept (bias forms, 1-D x) or rejects with its own error.
+_FALLBACK_ERRORS = (RuntimeError, TypeError, NotImplementedError)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("addmm_fwd"))
@@ -165,6 +171,24 @@ def _addmm_impl(
 
     Every check runs before anything is launched; the common case (plain float tensors on one device) takes the
     cheap tests first and builds the error text only on failure: decode calls this per Linear per token."""
+    # Eager inference fast path (decode calls this per Linear per token): plain tensors straight to the op, whose C++
+    # checks (dims, dtypes, devices, sizes) run before anything is launched; whatever it rejects takes the full path
+    # below, which converts it or raises the documented error. Same op, same arguments as the full path's inference
+    # call (the op picks mat2's layout itself): docs/tuning-log.md#host-path.
+    if (type(x) is _Tensor and (type(w_kn) is _Tensor or type(w_kn) is _Parameter)
+            and (bias is None or type(bias) is _Tensor or type(bias) is _Parameter)
+            and not _is_compiling() and not _any_autocast()
+            and not (_grad_enabled() and (x.requires_grad or w_kn.requires_grad
+                                          or (bias is not None and bias.requires_grad)))):
+        op_act = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
+        x_dim = x.dim()
+        if op_act is not None and x_dim >= 2 and w_kn.dim() == 2:
+            try:
+                if x_dim == 2:
+                    return _fwd_call(bias, x, w_kn, op_act, False, [x.shape[0], w_kn.shape[1]])[0]
+                return _fwd_call(bias, x.flatten(0, -2), w_kn, op_act, False, [*x.shape[:-1], w_kn.shape[1]])[0]
+            except _FALLBACK_ERRORS:
+                pass
     bias_name, x_name, w_name = names
     act = _op_activation(activation)
     if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES):
