@@ -195,6 +195,61 @@ __global__ void __launch_bounds__(kColTile* kRowLanes)
   }
 }
 
+// act_bwd_colsum_kernel on VEC columns per thread (16-byte loads of dY and Z, stores of dZ; a warp reads 512 bytes of
+// a row, where the scalar kernel reads 64): a tile of kColTile * VEC columns, the same fixed summation order per
+// column (a lane's rows in order, then the lanes, then the chunks). Needs N % VEC == 0 and the rows of dY, Z, dZ
+// aligned to a whole pack. The scalar form took 2x torch's `dy.sum(0)` at N = 14336 -- docs/tuning-log.md#addmm-bwd-colsum
+template <typename TD, typename TZ, typename TG, int ACT, int VEC>
+__global__ void __launch_bounds__(kColTile* kRowLanes)
+    act_bwd_colsum_vec_kernel(const TD* __restrict__ dy, int64_t ldy, const TZ* __restrict__ z,
+                              TG* __restrict__ dz, double* __restrict__ partial, int64_t M, int64_t N,
+                              int64_t rows_per_chunk) {
+  constexpr int kTile = kColTile * VEC;
+  __shared__ double red[kRowLanes][kTile];
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t col = tile0 + static_cast<int64_t>(threadIdx.x) * VEC;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t r1 = r0 + rows_per_chunk < M ? r0 + rows_per_chunk : M;
+  double s[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = 0.0;
+  if (col < N) {  // N % VEC == 0: the whole pack is in the row
+#pragma unroll 4
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowLanes) {
+      const Pack<TD, VEC> d = *reinterpret_cast<const Pack<TD, VEC>*>(dy + r * ldy + col);
+      float g[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) g[j] = to_float(d.v[j]);
+      if constexpr (ACT != kActNone) {
+        const Pack<TZ, VEC> zv = *reinterpret_cast<const Pack<TZ, VEC>*>(z + r * N + col);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] *= act_grad<ACT>(to_float(zv.v[j]));
+      }
+      if (dz != nullptr) {
+        Pack<TG, VEC> o;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o.v[j] = from_float<TG>(g[j]);
+        *reinterpret_cast<Pack<TG, VEC>*>(dz + r * N + col) = o;
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[j] += g[j];
+    }
+  }
+  if (partial != nullptr) {  // uniform over the block: every thread reaches the barrier or none does
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) red[threadIdx.y][threadIdx.x * VEC + j] = s[j];
+    __syncthreads();
+    for (int c = threadIdx.y * kColTile + threadIdx.x; c < kTile; c += kColTile * kRowLanes) {
+      if (tile0 + c < N) {
+        double t = 0.0;
+#pragma unroll
+        for (int k = 0; k < kRowLanes; ++k) t += red[k][c];
+        partial[static_cast<int64_t>(blockIdx.y) * N + tile0 + c] = t;
+      }
+    }
+  }
+}
+
 // fp64 -> fp32 rounded to odd: rounding that to bf16/fp16 gives the correctly rounded fp64 value (one rounding).
 __device__ __forceinline__ float round_to_odd_f32(double d) {
   float f = __double2float_rz(d);
@@ -840,7 +895,15 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
   Tensor dz = dz_is_dy ? dy : (gemms ? fused_mlp::empty({M, N}, T, mat1_in) : Tensor());
   const bool write_dz = gemms && !dz_is_dy;
   if (write_dz || need_db) {
-    const int64_t col_tiles = (N + kColTile - 1) / kColTile;
+    const Tensor zc = act != kActNone ? fused_mlp::contiguous(*preact) : Tensor();
+    // 16-byte packs of the GEMM dtype where every row of dY, Z (and dZ, a fresh allocation) holds whole packs
+    const int64_t vec = T == kFloat ? 4 : 8;
+    const int64_t dy_pack = vec * static_cast<int64_t>(dy.element_size());
+    const bool use_vec = N % vec == 0 && gemm_ld(dy) % vec == 0 &&
+                         reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % dy_pack == 0 &&
+                         (act == kActNone || reinterpret_cast<uintptr_t>(zc.const_data_ptr()) % 16 == 0);
+    const int64_t tile = use_vec ? kColTile * vec : kColTile;
+    const int64_t col_tiles = (N + tile - 1) / tile;
     const int64_t target_blocks = static_cast<int64_t>(device_sm_count(device_index(mat1_in))) * 4;
     int64_t chunks = need_db ? std::clamp<int64_t>((target_blocks + col_tiles - 1) / col_tiles, 1,
                                                   (M + kRowLanes - 1) / kRowLanes)
@@ -849,11 +912,11 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
     chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
     FM_CHECK(col_tiles <= 0x7fffffff && chunks <= 65535, "fused_mlp: addmm backward grid too large");
     Tensor partial = need_db ? fused_mlp::empty({chunks, N}, kDouble, mat1_in) : Tensor();
-    const Tensor zc = act != kActNone ? fused_mlp::contiguous(*preact) : Tensor();
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
     const dim3 block(kColTile, kRowLanes);
     dispatch_float(T, "input", [&](auto tt) {
       using TT = decltype(tt);
+      constexpr int VEC = 16 / static_cast<int>(sizeof(TT));
       dispatch_base_or_float<TT>(dy.scalar_type(), "dy", [&](auto dt) {
         using TD = decltype(dt);
         const TD* dyp = static_cast<const TD*>(dy.const_data_ptr());
@@ -861,15 +924,22 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
         TT* dzp = write_dz ? static_cast<TT*>(dz.data_ptr()) : nullptr;
         double* pp = need_db ? static_cast<double*>(partial.data_ptr()) : nullptr;
         const int64_t ldy = gemm_ld(dy);
+        auto launch = [&](auto act_tag) {
+          constexpr int A = decltype(act_tag)::value;
+          if (use_vec) {
+            act_bwd_colsum_vec_kernel<TD, TT, TT, A, VEC><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
+                                                                                     rows_per_chunk);
+          } else {
+            act_bwd_colsum_kernel<TD, TT, TT, A><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
+                                                                            rows_per_chunk);
+          }
+        };
         if (act == kActGeluTanh) {
-          act_bwd_colsum_kernel<TD, TT, TT, kActGeluTanh><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
-                                                                                   rows_per_chunk);
+          launch(std::integral_constant<int, kActGeluTanh>{});
         } else if (act == kActGeluErf) {
-          act_bwd_colsum_kernel<TD, TT, TT, kActGeluErf><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
-                                                                                  rows_per_chunk);
+          launch(std::integral_constant<int, kActGeluErf>{});
         } else {
-          act_bwd_colsum_kernel<TD, TT, TT, kActNone><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
-                                                                               rows_per_chunk);
+          launch(std::integral_constant<int, kActNone>{});
         }
         FM_KERNEL_LAUNCH_CHECK();
       });

@@ -269,6 +269,34 @@ def test_backward(fm, device, shape, act, dtype, layout):
     assert ours[1].stride() == w_param.stride()
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_pack_and_scalar_paths_agree(fm, device, act, dtype):
+    """dY whose rows hold whole 16-byte packs takes the vector column-sum pass, a dY view offset by one element the
+    scalar one: with an activation the same dX and dW bits (dZ is elementwise), db within the 2x rule of the fp64 sum and within a
+    rounding step of each other (the chunking of the sum differs)."""
+    shapes = [(300, 96, 256), (37, 64, 1000)] + ([(4096, 256, 14336)] if device == "cuda" else [])
+    ops = fm._ops.ops
+    for m, k, n in shapes:
+        x, w_kn, b = _make((m, k, n), dtype, device, seed=m + n)
+        pre = torch.addmm(b, x, w_kn) if act else None
+        g = torch.Generator().manual_seed(n)
+        base = torch.randn(m, n + 1, generator=g).to(device=device, dtype=dtype)
+        dy_packed, dy_offset = base[:, :n].contiguous(), base[:, 1:]
+        dy_offset.copy_(dy_packed)
+        act_name = act or "none"
+        got = [ops.addmm_bwd(dy, pre, x, w_kn, act_name, True, True, False, True, dtype) for dy in (dy_packed, dy_offset)]
+        if act is not None:  # dZ is the pass's own output (without an activation the GEMMs read dY's own layout)
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), (m, k, n)
+        z64 = (x.double() @ w_kn.double() + b.double()).requires_grad_()
+        _act64(z64, act).backward(dy_packed.double())
+        z_same = (x.float() @ w_kn.float() + b.float()).to(dtype).requires_grad_()
+        _act64(z_same.float(), act).to(dtype).backward(dy_packed)
+        for db in (got[0][2], got[1][2]):
+            assert_2x_rule(db, z64.grad.sum(0), z_same.grad.float().sum(0).to(dtype), name=f"db {(m, k, n)}")
+        torch.testing.assert_close(got[0][2].float(), got[1][2].float(), rtol=2 ** -7, atol=1e-5)
+
+
 def test_backward_partial_requires_grad(fm, device):
     x, w_kn, b = _make((40, 64, 32), torch.bfloat16, device)
     w = w_kn.t().contiguous()
