@@ -206,16 +206,22 @@ class Timer:
     _flush: torch.Tensor | None = field(default=None, repr=False)
 
     def time(self, fn: Callable[[], Any], *, grad_to_none: Sequence[torch.Tensor] | None = None,
-             working_set_bytes: int = 0) -> Timing:
+             working_set_bytes: int = 0, warmup_ms: float | None = None, rep_ms: float | None = None,
+             min_reps: int = 5) -> Timing:
+        """``warmup_ms`` / ``rep_ms`` override the timer's for this call (one of several interleaved rounds);
+        ``min_reps`` is the CPU timer's floor on timed calls (do_bench has none)."""
+        warmup = self.warmup_ms if warmup_ms is None else warmup_ms
+        rep = self.rep_ms if rep_ms is None else rep_ms
         if self.device == "cuda":
             from triton.testing import do_bench
 
-            q = do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=list(grad_to_none or []) or None,
+            q = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=list(grad_to_none or []) or None,
                          quantiles=list(QUANTILES))
             return Timing(float(q[0]), float(q[1]), float(q[2]))
-        return self._time_cpu(fn, grad_to_none or [], working_set_bytes)
+        return self._time_cpu(fn, grad_to_none or [], working_set_bytes, warmup, rep, min_reps)
 
-    def _time_cpu(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor], working_set: int) -> Timing:
+    def _time_cpu(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor], working_set: int,
+                  warmup_ms: float, rep_ms: float, min_reps: int) -> Timing:
         flush_bytes = 2 * llc_bytes()
         flush = working_set < flush_bytes
         if flush and (self._flush is None or self._flush.numel() < flush_bytes):
@@ -231,14 +237,14 @@ class Timer:
             return (time.perf_counter() - t0) * 1e3
 
         # Like do_bench: warm up for warmup_ms, then as many calls as fit in rep_ms of wall time (the cache flush
-        # included), at least 5.
+        # included), at least min_reps (5 by default).
         w0 = time.perf_counter()
         spent, calls = 0.0, 0
-        while spent < self.warmup_ms or calls == 0:
+        while spent < warmup_ms or calls == 0:
             spent += one()
             calls += 1
         wall_per_call = max((time.perf_counter() - w0) * 1e3 / calls, 1e-4)
-        reps = int(min(self.max_reps, max(5, self.rep_ms / wall_per_call)))
+        reps = int(min(self.max_reps, max(min_reps, rep_ms / wall_per_call)))
         samples = sorted(one() for _ in range(reps))
         return Timing(*(_percentile(samples, q) for q in QUANTILES))
 

@@ -15,9 +15,19 @@ machine), every checkpoint is also copied to ``$OUT/<device-slug>/sweep.csv``. T
 
 Definitions (as the anchors in benchmarks/anchors/ were measured, see anchor_bench.py there):
 * ``fwd`` is the forward with autograd recording (the inputs and weights require grad, as in training), except
-  ``add_rms_norm`` (inference: under ``no_grad``); ``fwd+bwd`` is forward + ``backward(dy)``; ``bwd`` is
-  (fwd+bwd) - fwd of the medians. Leaf ``.grad`` are reset to None before every timed call (``grad_to_none``),
-  so no provider pays for accumulating into an existing gradient.
+  ``add_rms_norm`` and ``addmm`` (inference: under ``no_grad``; addmm's anchors, ``torch._addmm_activation`` (no
+  autograd formula) and mm alone, are inference calls, so its derived bwd row is (training fwd+bwd) - (inference
+  fwd) and its note says so); ``fwd+bwd`` is forward + ``backward(dy)``; ``bwd`` is (fwd+bwd) - fwd of the
+  medians. Leaf ``.grad`` are reset to None before every timed call (``grad_to_none``), so no provider pays for
+  accumulating into an existing gradient.
+* Timing (the host is shared and noisy): per shape every provider is first made, run once and checked; then all
+  are timed in ``--rounds`` interleaved rounds (default 3; the provider order rotates each round): per round one
+  ``bench_lib.Timer`` call per provider and mode, with warmup-ms, rep-ms and the CPU floor of 5 calls divided by
+  the rounds (the total of one timing, except that a call longer than rep-ms / rounds still runs at least once per
+  round, plus do_bench's estimate). Per provider and mode: p50 = the median of the rounds' medians; p20 / p80 = the
+  20th / 80th percentile of the rounds' p20s / p80s (the band holds the spread within and across rounds;
+  ``--rounds 1`` is one timing, as before). Timed rows' note: "3 interleaved rounds". Peak memory (fwd+bwd) is
+  measured once, after the rounds.
 * Bytes: RMSNorm fwd = read x + write y + read w; bwd = read x, dy + write dx + read w (dW partials not counted);
   fused add + RMSNorm fwd = read x, residual + write y, h; gated activation fwd = read gate, up + write out, bwd =
   read gate, up, dout + write dgate, dup. FLOPs: GEMM 2*M*K*N (fwd), 3x that for fwd+bwd; the GeGLU MLP 3 GEMMs.
@@ -51,12 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
     DTYPES,
+    QUANTILES,
     ROOT,
     Budget,
     Ceilings,
     ResultWriter,
     Timer,
     Timing,
+    _percentile,
     collect_env,
     cuda_graph_times,
     describe_exception,
@@ -796,7 +808,7 @@ ADDMM_OP = OpSpec(
         Provider("mm only", "reference", _mm_only(linear=False)),
     ],
     needs=lambda fm: _has(fm, "addmm"),
-    weight=0.10,
+    weight=0.10, fwd_no_grad=True,  # its anchors (torch._addmm_activation, mm only) are inference calls
 )
 
 LINEAR_OP = OpSpec(
@@ -1028,8 +1040,51 @@ def _metric_fields(ctx: Ctx, op: OpSpec, case: Case, mode: str, t: Timing) -> di
     return out
 
 
-def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.Tensor) -> list[dict[str, Any]]:
-    """Times one provider on one case; returns rows (one per mode, plus the derived bwd)."""
+def combine_rounds(rounds: Sequence[Timing]) -> Timing:
+    """One Timing from the per-round Timings of one (provider, mode): p50 = median of the rounds' medians; p20 =
+    20th percentile of the rounds' p20s, p80 = 80th percentile of their p80s (the band holds the spread within and
+    across rounds; one round gives that round's Timing unchanged)."""
+    if not rounds:
+        raise ValueError("no rounds to combine")
+    return Timing(_percentile(sorted(t.p20 for t in rounds), QUANTILES[0]),
+                  _percentile(sorted(t.p50 for t in rounds), QUANTILES[1]),
+                  _percentile(sorted(t.p80 for t in rounds), QUANTILES[2]))
+
+
+def _rounds_note(rounds: int) -> str:
+    return f"{rounds} interleaved rounds" if rounds > 1 else ""  # one round: today's rows, no note
+
+
+def _join_notes(*notes: str | None) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+@dataclass
+class Prepared:
+    """A provider made, run once and checked on one case, waiting for its timed rounds."""
+
+    prov: Provider
+    base: dict[str, Any]
+    modes: tuple[str, ...]                           # the op's modes this provider can do, in order
+    unsupported: tuple[str, ...]                     # the op's modes it cannot (no autograd formula)
+    calls: dict[str, Callable[[], Any]]              # mode -> the timed call
+    leaves: list[torch.Tensor]
+    err: float | None
+    compile_s: float
+    status: dict[str, str] = field(default_factory=dict)          # mode -> error status (first call or timing)
+    rounds: dict[str, list[Timing]] = field(default_factory=dict)  # mode -> one Timing per round
+
+    def timed_modes(self) -> list[str]:
+        return [m for m in self.modes if m not in self.status]
+
+    def release(self) -> None:
+        self.calls, self.leaves = {}, []
+
+
+def _prepare_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider,
+                      ref: torch.Tensor) -> Prepared | list[dict[str, Any]]:
+    """Makes one provider and runs it once (compilation / JIT / cuBLAS heuristics happen here, outside the
+    timing), checking the forward against the reference; the rows instead when it is skipped or its forward fails."""
     base = dict(op=op.name, provider=prov.name, role=prov.role, source="measured", dtype=ctx.dtype_name,
                 shape=shape_str(case.shape), **_shape_fields(case.shape))
     try:
@@ -1038,8 +1093,8 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
         return [dict(base, mode=m, status=f"skipped: {e}") for m in op.modes]
     leaves = case.leaves if bound.leaves is None else bound.leaves
     grad_out = case.grad_out if bound.grad_out is None else bound.grad_out
-    unsupported = [m for m in op.modes if m not in prov.modes]
-    op = OpSpec(**{**op.__dict__, "modes": tuple(m for m in op.modes if m in prov.modes)})
+    modes = tuple(m for m in op.modes if m in prov.modes)
+    unsupported = tuple(m for m in op.modes if m not in prov.modes)
 
     def fwd() -> Any:
         if op.fwd_no_grad:
@@ -1050,13 +1105,9 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
     def fwd_bwd() -> None:
         _first(bound.fwd()).backward(grad_out)
 
-    rows: list[dict[str, Any]] = []
-    timings: dict[str, Timing] = {}
-    # First calls (compilation / JIT / cuBLAS heuristics happen here), outside the timing; the forward output is
-    # checked against the reference. A failing backward only fails the fwd+bwd row.
+    # A failing backward only fails the fwd+bwd row.
     failed: dict[str, str] = {}
     compile_s = 0.0
-    err: float | None = None
     try:
         t0 = time.perf_counter()
         out = fwd()
@@ -1065,8 +1116,8 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
         err = max_abs_err(_first(out), ref)
         del out
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-        return [dict(base, mode=m, status=f"error: {describe_exception(e)}") for m in op.modes]
-    if "fwd+bwd" in op.modes:
+        return [dict(base, mode=m, status=f"error: {describe_exception(e)}") for m in modes]
+    if "fwd+bwd" in modes:
         try:
             t0 = time.perf_counter()
             fwd_bwd()
@@ -1078,35 +1129,86 @@ def _run_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider, ref: torch.T
             leaf.grad = None
     if prov.compiled:
         ctx.compile_spent[op.name] = ctx.compile_spent.get(op.name, 0.0) + compile_s
+    calls = {m: fwd if m == "fwd" else fwd_bwd for m in modes}
+    return Prepared(prov, base, modes, unsupported, calls, list(leaves), err, compile_s, status=failed)
 
-    for mode in op.modes:
-        row = dict(base, mode=mode, max_err=err, compile_s=compile_s if prov.compiled else None)
-        if mode in failed:
-            rows.append(dict(row, status=failed[mode]))
+
+def _round_kwargs(timer: Timer, rounds: int) -> dict[str, Any]:
+    """Timer arguments of one round: warmup and rep split evenly over the rounds, and the CPU floor of 5 timed calls
+    too (the calls of all rounds together cost what one timing did)."""
+    return dict(warmup_ms=timer.warmup_ms / rounds, rep_ms=timer.rep_ms / rounds, min_reps=max(1, 5 // rounds))
+
+
+def _time_rounds(ctx: Ctx, case: Case, prepared: Sequence[Prepared], rounds: int) -> None:
+    """Times every prepared provider's modes in ``rounds`` interleaved rounds (the provider order rotates by one
+    each round); a mode whose timing fails is recorded as an error and not timed again."""
+    for r in range(rounds):
+        k = r % max(len(prepared), 1)
+        for p in list(prepared[k:]) + list(prepared[:k]):
+            for mode in p.timed_modes():
+                try:
+                    t = ctx.timer.time(p.calls[mode], grad_to_none=p.leaves if mode == "fwd+bwd" else None,
+                                       working_set_bytes=case.working_set, **_round_kwargs(ctx.timer, rounds))
+                    p.rounds.setdefault(mode, []).append(t)
+                except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                    p.status[mode] = f"error: {describe_exception(e)}"
+                    p.rounds.pop(mode, None)
+                for leaf in p.leaves:  # the last call's gradients would stay alive through the others' timings
+                    leaf.grad = None
+
+
+def _finish_provider(ctx: Ctx, op: OpSpec, case: Case, p: Prepared, rounds: int) -> list[dict[str, Any]]:
+    """The rows of one timed provider (one per mode, plus the derived bwd); peak memory of fwd+bwd measured here."""
+    base, err, note = p.base, p.err, _rounds_note(rounds)
+    rows: list[dict[str, Any]] = []
+    timings: dict[str, Timing] = {}
+    for mode in p.modes:
+        row = dict(base, mode=mode, max_err=err, compile_s=p.compile_s if p.prov.compiled else None)
+        if mode in p.status:
+            rows.append(dict(row, status=p.status[mode]))
             continue
-        fn = fwd if mode == "fwd" else fwd_bwd
-        try:
-            t = ctx.timer.time(fn, grad_to_none=leaves if mode == "fwd+bwd" else None,
-                               working_set_bytes=case.working_set)
-            timings[mode] = t
-            row.update(_metric_fields(ctx, op, case, mode, t), status="ok")
-            if mode == "fwd+bwd":
+        t = combine_rounds(p.rounds[mode])
+        timings[mode] = t
+        row.update(_metric_fields(ctx, op, case, mode, t), status="ok", note=note)
+        if mode == "fwd+bwd":
+            fn = p.calls[mode]
+            try:
+                if ctx.on_gpu:
+                    fn()  # leaves hold gradients, as right after a timed call (where the peak was always measured)
                 row["peak_mem_bytes"] = peak_memory(fn, ctx.device)
-        except Exception as e:  # noqa: BLE001
-            row["status"] = f"error: {describe_exception(e)}"
+            except Exception as e:  # noqa: BLE001
+                row["status"] = f"error: {describe_exception(e)}"
         rows.append(row)
-    rows += [dict(base, mode=m, status=f"skipped: {prov.name} has no autograd formula") for m in unsupported]
+    rows += [dict(base, mode=m, status=f"skipped: {p.prov.name} has no autograd formula") for m in p.unsupported]
     if "fwd" in timings and "fwd+bwd" in timings:
+        derived = ("derived: (training fwd+bwd) - (inference fwd, no_grad)" if op.fwd_no_grad
+                   else "derived: (fwd+bwd) - fwd")
         t = Timing.minus(timings["fwd+bwd"], timings["fwd"])
         if t is None:
             rows.append(dict(base, mode="bwd", max_err=err, status="invalid: fwd+bwd median <= fwd median (noise)",
-                             note="derived: (fwd+bwd) - fwd"))
+                             note=_join_notes(derived, note)))
         else:
-            rows.append(dict(base, mode="bwd", max_err=err, status="ok", note="derived: (fwd+bwd) - fwd",
+            rows.append(dict(base, mode="bwd", max_err=err, status="ok", note=_join_notes(derived, note),
                              **_metric_fields(ctx, op, case, "bwd", t)))
-    for leaf in leaves:
+    for leaf in p.leaves:
         leaf.grad = None
     return rows
+
+
+def _run_providers(ctx: Ctx, op: OpSpec, case: Case, providers: Sequence[Provider],
+                   ref: torch.Tensor) -> list[dict[str, Any]]:
+    """Every provider's rows of one case, in provider order: all prepared first, then timed in interleaved rounds."""
+    rounds = ctx.args.rounds
+    slots: list[Prepared | list[dict[str, Any]]] = [_prepare_provider(ctx, op, case, p, ref) for p in providers]
+    prepared = [s for s in slots if isinstance(s, Prepared)]
+    _time_rounds(ctx, case, prepared, rounds)
+    finished: dict[int, list[dict[str, Any]]] = {}
+    # Last provider first, each released once finished: an anchor's own copies (Liger's leaves, dy) are freed
+    # before the providers listed before it measure their peak memory.
+    for p in reversed(prepared):
+        finished[id(p)] = _finish_provider(ctx, op, case, p, rounds)
+        p.release()
+    return [r for s in slots for r in (finished[id(s)] if isinstance(s, Prepared) else s)]
 
 
 def _speedups(rows: list[dict[str, Any]]) -> None:
@@ -1215,14 +1317,11 @@ def run_op(ctx: Ctx, op: OpSpec, budget: Budget) -> None:
             log(f"[{op.name}] {shape_str(shape)}: setup failed: {describe_exception(e)}")
             _free(ctx)
             continue
-        shape_rows: list[dict[str, Any]] = []
-        for prov in providers:
-            rows = _run_provider(ctx, op, case, prov, ref)
-            for r in rows:
-                r["max_err_eager"] = eager_err
-                if prov.role == "ours" and r.get("max_err") is not None:
-                    r["verified"] = two_x_rule(r["max_err"], eager_err, ctx.dtype)
-            shape_rows.extend(rows)
+        shape_rows = _run_providers(ctx, op, case, providers, ref)
+        for r in shape_rows:
+            r["max_err_eager"] = eager_err
+            if r["role"] == "ours" and r.get("max_err") is not None:
+                r["verified"] = two_x_rule(r["max_err"], eager_err, ctx.dtype)
         _speedups(shape_rows)
         for r in shape_rows:
             writer.add(**r)
@@ -1285,6 +1384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "spend compiling (default 0.4)")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warmup (default GPU 10, CPU 30)")
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench rep (default GPU 30, CPU 150)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape: rep-ms is split "
+                   "over them (default 3; 1: each provider timed in one window)")
     p.add_argument("--max-elems", type=int, default=None,
                    help="skip shapes with more elements per tensor (default GPU 2^29, CPU 2^24)")
     p.add_argument("--max-shapes", type=int, default=0, help="at most this many shapes per op (0: all)")
@@ -1296,6 +1397,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "time estimate for an H200, then exit")
     args = p.parse_args(argv)
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if args.rounds < 1:
+        p.error(f"--rounds takes a count >= 1, got {args.rounds}")
     bad = [m for m in args.modes if m not in ("fwd", "fwd+bwd", GRAPH_MODE)]
     if bad:
         p.error(f"--modes takes fwd, fwd+bwd (bwd is derived) and {GRAPH_MODE}, got {bad}")
@@ -1343,7 +1446,8 @@ def dry_run(args: argparse.Namespace, device: str, warmup: float, rep: float) ->
                 for m in modes:
                     eff = _EST_EFFICIENCY.get(p.name, 0.8 if bw else 0.85)
                     t = amount[m] / (eff * (_EST_COPY_GBPS * 1e6 if bw else _EST_GEMM_TFLOPS * 1e9)) + 0.01
-                    op_s += (max(warmup, t) + max(rep, t) + 5 * (t + 0.08) + 10) / 1e3
+                    nr = args.rounds  # each round: warmup / nr, rep / nr and do_bench's 5-call estimate
+                    op_s += nr * (max(warmup / nr, t) + max(rep / nr, t) + 5 * (t + 0.08) + 10) / 1e3
                     total_meas += 1
                 if p.compiled and shape.get("M", shape.get("T")) != 1:
                     keys.add(() if name.endswith("_act") else tuple(v for k, v in shape.items() if k not in ("M", "T")))
@@ -1409,7 +1513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cuda {env['cuda'] or '-'}, liger {env['liger'] or '-'}, kernel {env['kernel_build']}, git {env['git_rev']}")
     log(f"writing {out_path}" + (f" (and a copy in {writer.mirror})" if writer.mirror else "") +
         f"; dtypes {dtypes}; budget {args.budget_s:.0f} s; "
-        f"timer warmup/rep {warmup:.0f}/{rep:.0f} ms")
+        f"timer warmup/rep {warmup:.0f}/{rep:.0f} ms in {args.rounds} interleaved rounds")
 
     timer = Timer(device, warmup_ms=warmup, rep_ms=rep)
     ops = [OPS[o] for o in args.ops.split(",") if o]
