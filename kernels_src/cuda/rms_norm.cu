@@ -53,7 +53,8 @@
 //   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
-// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=C]):
+// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=C]
+// [,packs=P]: P packs per thread instead of the table's, for tuning sweeps):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
 //   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
 //   of 256 / tpr rows (fewer while M < 32 SMs x rows); NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
@@ -1604,15 +1605,17 @@ void dispatch_int(int v, F&& f) {
 
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=2|4|8], read once per process ("dynamic" first: re-read at
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=2|4|8] [,packs=1|2|4|8], read once per process ("dynamic" first: re-read at
 // every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg kernels for aligned rows of
 // whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they apply, ahead of that switch;
 // legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg launch takes clusters of C
-// CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach).
+// CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <= the dtype's maximum): every
+// reg launch holds P packs per thread, the threads per row following (tests and tuning sweeps).
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy };
   Mode mode = kAuto;
   int cluster = 0;
+  int packs = 0;  // packs per thread of the reg kernels (0: the table's)
 };
 
 FwdKnob parse_fwd_knob(const char* e) {
@@ -1625,6 +1628,10 @@ FwdKnob parse_fwd_knob(const char* e) {
   if (const size_t at = s.find(",cluster="); at != std::string::npos) {
     const int c = std::atoi(s.c_str() + at + 9);
     if (c == 2 || c == 4 || c == 8) k.cluster = c;
+  }
+  if (const size_t at = s.find(",packs="); at != std::string::npos) {
+    const int p = std::atoi(s.c_str() + at + 7);
+    if (p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   }
   return k;
 }
@@ -1660,26 +1667,38 @@ struct RegConfig {
 //     when tpr is a power of two, else 1;
 //   beyond (sm_90+): a cluster of C = 2, 4 or 8 CTAs (the fewest with <= 256 threads each, else 8 of up to 512), each
 //     holding ceil(NV / C) packs; no cluster support or NV > 4096 * pmax: false (the rows / wide kernels).
-bool reg_config(int64_t NV, int64_t M, int sms, int pmax, bool cluster_ok, int forced_cluster, RegConfig& c) {
-  if (NV < 1) return false;
+bool reg_config(int64_t NV, int64_t M, int sms, int pmax, bool cluster_ok, int forced_cluster, int forced_packs,
+                RegConfig& c) {
+  if (NV < 1 || forced_packs > pmax) return false;
+  const int pc = forced_packs > 0 ? forced_packs : pmax;  // the packs per thread the cluster size is chosen for
   int C = 1;
   if (forced_cluster > 1) {
     if (!cluster_ok) return false;
     C = forced_cluster;
-  } else if (NV > static_cast<int64_t>(kRegMaxThreads) * pmax) {
+  } else if (NV > static_cast<int64_t>(kRegMaxThreads) * pc) {
     if (!cluster_ok) return false;
     C = 2;
-    while (C < 8 && NV > static_cast<int64_t>(C) * 256 * pmax) C *= 2;
+    while (C < 8 && NV > static_cast<int64_t>(C) * 256 * pc) C *= 2;
   }
   const int64_t nvc = (NV + C - 1) / C;
-  if (nvc > static_cast<int64_t>(kRegMaxThreads) * pmax) return false;
+  if (nvc > static_cast<int64_t>(kRegMaxThreads) * pc) return false;
   int packs = pmax, tpr;
-  if (C == 1 && nvc <= 32 * pmax) {
+  if (forced_packs > 0) {
+    packs = forced_packs;
+    const int64_t t = (nvc + packs - 1) / packs;
+    tpr = C == 1 && t <= 32 ? next_pow2(t) : static_cast<int>((t + 31) / 32 * 32);
+  } else if (C == 1 && nvc <= 32 * pmax) {
     packs = 1;
     while (packs < pmax && nvc > 32 * packs) packs *= 2;
     tpr = next_pow2((nvc + packs - 1) / packs);
   } else {
     tpr = static_cast<int>(((nvc + pmax - 1) / pmax + 31) / 32 * 32);
+    // Over a quarter of the thread slots idle (N = 2304 bf16: 36 of 64 threads busy): half the packs, the threads to
+    // match (32768 x 2304: 3.83 -> 4.08 TB/s on the H200) -- docs/tuning-log.md#rmsnorm-reg-config
+    if (C == 1 && pmax > 1 && 4 * (static_cast<int64_t>(tpr) * pmax - nvc) > static_cast<int64_t>(tpr) * pmax) {
+      packs = pmax / 2;
+      tpr = static_cast<int>(((nvc + packs - 1) / packs + 31) / 32 * 32);
+    }
   }
   int rpb = 1;
   if (C == 1 && (tpr & (tpr - 1)) == 0 && tpr <= 128) {
@@ -1734,14 +1753,15 @@ int reg_active_clusters(const void* kernel, int threads, int csize, int dev) {
 
 // Launches the reg kernel for this call when it applies; false: the caller takes the rows / wide kernels.
 template <typename TX, typename TH, bool RES>
-bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, cudaStream_t stream) {
+bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, int forced_packs,
+                    cudaStream_t stream) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   constexpr int kPmax = reg_max_packs<TX, TH, RES>();
   const int64_t N = a.N, M = a.M;
   if (N % VEC != 0 || N > (int64_t{1} << 24)) return false;
   const int64_t NV = N / VEC;
   RegConfig c;
-  if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, c)) return false;
+  if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
   FwdRegArgs b{};
   b.x = a.x;
   b.x_stride = a.x_stride;
@@ -1877,7 +1897,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
       constexpr bool RES = decltype(res_tag)::value;
       // Aligned rows of whole packs: the reg family (FUSED_MLP_RMS_NORM_FWD=reg: ahead of the few-rows switch).
       const bool reg_ok = fwd.mode != FwdKnob::kLegacy && a.vec_ok;
-      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, stream)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
           (small.mode == SmallKnob::kOn || M <= small_max_rows(N))) {
@@ -1931,7 +1951,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
       }
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
       // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
-      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, stream)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

@@ -862,9 +862,10 @@ _REG_CASES = textwrap.dedent(
 
 
 @requires_cuda
-@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "legacy"])
+@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "legacy"])
 def test_cuda_reg_forward_subprocess(knob):
-    """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144) under
+    """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
+    the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels) under
     the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
     M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels. The profiler confirms which."""
     forced = "cluster=" in knob
