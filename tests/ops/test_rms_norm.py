@@ -874,3 +874,34 @@ def test_cuda_reg_forward_subprocess(knob):
     env = {**os.environ, "FUSED_MLP_RMS_NORM_FWD": knob}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_fast_path_matches_the_full_path(fm, device, dtype):
+    """Training calls without a residual go straight to the autograd Function; an ``eps`` that is a float subclass
+    (numpy's float64) takes the full, checked path: the same output and gradient bits. Arguments only the full path
+    accepts (a narrower half weight, a strided N-D input) or rejects (a wrong weight shape) behave as documented."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(3, 5, 64, generator=g).to(device=device, dtype=dtype)
+    w0 = (1 + 0.1 * torch.randn(64, generator=g)).to(device=device, dtype=dtype)
+    dy = torch.randn(3, 5, 64, generator=g).to(device=device, dtype=dtype)
+    got = []
+    for eps in (1e-6, np.float64(1e-6)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fm.rms_norm(x, w, eps, offset=1.0)
+        y.backward(dy)
+        got.append((y, x.grad, w.grad))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    # a strided N-D input and a narrower half weight: converted by the full path, same values as contiguous ones
+    xs = x0.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    wn = w0.to(other).requires_grad_()
+    y = fm.rms_norm(xs, wn, 1e-6)
+    ref = fm.rms_norm(x0.clone().requires_grad_(), wn.detach().float().requires_grad_(), 1e-6)
+    assert not xs.is_contiguous() and torch.equal(y, ref)
+    y.backward(dy)
+    assert xs.grad is not None and wn.grad is not None and wn.grad.dtype == other
+    with pytest.raises(ValueError, match="weight must have shape"):
+        fm.rms_norm(x0.clone().requires_grad_(), w0[:32], 1e-6)

@@ -70,6 +70,7 @@ _add_infer = ops.rms_norm_add_infer.default
 _infer_call = getattr(_infer, "_op", _infer)
 _add_infer_call = getattr(_add_infer, "_op", _add_infer)
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _F32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -180,6 +181,22 @@ def rms_norm(
                     return _infer_call(x, weight, eps, offset, out_f32)
                 if residual.dtype is (x_dtype if residual_dtype is None else residual_dtype):
                     return _add_infer_call(x, residual, weight, eps, offset, out_f32)
+            except _FALLBACK_ERRORS:
+                pass  # the full path below
+    # Training fast path (eager, no residual): contiguous x (or 2-D rows) and a contiguous weight of x's dtype or fp32
+    # straight into the Function, whose op checks shapes, dtypes and devices before anything is launched; whatever it
+    # rejects takes the full path below (host cost per call: docs/tuning-log.md#host-path).
+    elif (residual is None and type(x) is _Tensor and not _is_compiling() and _grad_enabled()
+            and type(eps) is float and 0.0 <= eps < _INF and type(offset) is float and -_INF < offset < _INF
+            and (weight is None or ((type(weight) is _Parameter or type(weight) is _Tensor)
+                                    and weight.is_meta is x.is_meta and weight.is_contiguous()
+                                    and (weight.dtype is x.dtype or weight.dtype is _F32)))
+            and (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1))):
+        x_dtype = x.dtype
+        k_out = x_dtype if (out_dtype is None or out_dtype is x_dtype) else (_F32 if out_dtype is _F32 else None)
+        if k_out is not None:
+            try:
+                return _RMSNormFunction.apply(x, None, weight, eps, offset, k_out, None)[0]
             except _FALLBACK_ERRORS:
                 pass  # the full path below
     check_tensor(x, "x")
