@@ -15,9 +15,9 @@
 //               (registers + smem = a double buffer), whenever it fits and some block has a next group.
 //   fwd wide  — rows beyond the register budget, one row per block iteration: the row is cached in dynamic smem
 //               when it fits (one HBM read), else re-read from global (L2) in a second pass.
-//   bwd reg   — aligned rows (16-byte pointers / strides, N % VEC == 0) up to 1024 threads per row (bf16 N <= 8192):
-//               persistent grid, dW partial sums in REGISTERS, next row's loads issued before this row's reduction
-//               (kernels_src/cuda/rms_norm_bwd.cuh; FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy picks it or not).
+//   bwd reg   — aligned rows (16-byte pointers / strides, N % VEC == 0), the default on sm_90 for 16-bit h and dy (or
+//               fp32 x): 4 packs per thread, persistent grid, dW partial sums in REGISTERS, rows beyond one CTA split
+//               over a cluster (kernels_src/cuda/rms_norm_bwd.cuh; FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy).
 //   bwd rows  — ONE pass over the rows (the rest of the rows path): persistent grid; per row the row dot product, dx, and dW partial sums in
 //               smem owned by the thread (same columns every row); next row group prefetched; at the end the
 //               block sums its row slots in a fixed order and writes one fp32 partial row (or dW when grid == 1).
@@ -38,9 +38,8 @@
 //       them -> ITERS <= 8.  Rows path: N <= 65536 (bf16/fp16), 32768 (fp32 or an fp32 residual stream).
 //     bwd holds h and dy packs: ITERS * VEC * (|h| + |dy|) / 4 <= 64 regs -> 16-bit h and dy: ITERS <= 8; one
 //       of them fp32: 4; both fp32 with a 16-bit x: 4 (VEC 8) ; fp32 x: 8.  dW partials are in smem.
-//   bwd reg (rms_norm_bwd.cuh): 1 pack of h and dy per thread, double-buffered in registers, + VEC fp32 dW sums:
-//     64 registers, 0 spills, 1024 threads per CTA max -> 50% occupancy (2 blocks of 512 at bf16 N = 4096); dW
-//     smem only at the end (rpb * N * 4 <= 8 KB, short rows); partial rows = grid (SMs x resident CTAs).
+//   bwd reg (rms_norm_bwd.cuh): 4 packs of h and dy per thread + 4 * VEC fp32 dW sums: 128 registers, 0 spills,
+//     <= 512 threads per CTA; dW smem only at the end (rpb * N * 4, short rows); partial rows = grid (or clusters).
 //   No kernel spills on sm_80 / sm_90 (ptxas registers per kernel: docs/tuning-log.md#rmsnorm-registers). The
 //     per-pack addresses are kept out of the row loop's hoisting with `opaque()` (without it ITERS >= 8 spills).
 //     sm_100 / sm_120 spill in some rows variants: the host reads each kernel's localSizeBytes on the running
@@ -52,7 +51,8 @@
 //     (|h| + |dy| + |dh|)) | fwd wide cache NV * VEC * |h| | bwd wide dW N * 4 | static 256 B (reductions).
 //   e.g. H200 (132 SMs, 227 KB): bf16 fwd N=4096, M>=4096: 256 threads, 4 blocks/SM, 16 KB prefetch, grid 528;
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
-//   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global.
+//   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global (these are
+//   the rows / wide kernels: on sm_90 the bwd reg kernel takes 16-bit rows instead).
 // Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=C]
 // [,packs=P]: P packs per thread instead of the table's, for tuning sweeps):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
@@ -957,6 +957,9 @@ struct BwdArgs {
   int64_t M, N;
   float offset;
   int tpr, rpb;
+  int nvc;                // register kernel in a cluster: packs per CTA (its slice of the row)
+  int c_shift;            // register kernel: log2(cluster size), 0 without a cluster (sm_90+ only)
+  uint32_t zero;          // 0 (the register kernel's launder_pack)
   bool w_f32, extra_f32, dx_f32;
   bool vec_ok, prefetch, direct_dw, dw_smem;
 };

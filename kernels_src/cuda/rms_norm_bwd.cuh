@@ -1,37 +1,50 @@
 // RMSNorm backward, register path ("bwd reg"): included by rms_norm.cu at the end of its anonymous namespace, after
-// the helpers it uses (Pack, ld16, load_scale, row_reduce_sum, BwdArgs, DeviceInfo, blocks_per_sm, kernel_spills,
-// next_pow2). Not a standalone header.
+// the helpers it uses (Pack, ld16, load_scale, row_reduce_sum, launder_pack, BwdArgs, DeviceInfo, blocks_per_sm,
+// kernel_spills, next_pow2). Not a standalone header.
 //
 // Aligned rows only (every base pointer and row stride 16-byte aligned, N % VEC == 0, so every pack is whole):
 //   persistent grid (SMs x resident CTAs, from the occupancy query), each CTA loops over its row groups; a thread
 //   owns PACKS fixed 16-byte column packs (lane + i * tpr) of one row slot and keeps its dW partial sums for them in
-//   fp32 REGISTERS across all its rows (no smem traffic per row). Per row: the next row's h / dy (and rstd) loads are
-//   issued first (software pipelining in registers: they stay in flight through this row's reduction and dx), then
-//   dW += dy * xhat, the row dot product sum(dy * s * xhat) (shuffles + one smem round when a row spans warps), and
-//   dx = rs * (dy * s - xhat * dot / N) + dh_extra. At the end the CTA sums its row slots (smem, fixed order, once)
-//   and writes one fp32 partial row; rms_norm_dw_column_sum_kernel reduces the partial rows in a fixed order.
-// Config (host, bwd_reg_config): PACKS = 1 (knob packs=2: 2 where h and dy packs are 16 bytes each); threads per
-//   row tpr = NV / PACKS rounded up (power of two below 32, else a multiple of 32), up to the variant's launch bound;
-//   a CTA is max(tpr, 256) threads (rpb = 256 / tpr row slots for short rows).
-//   Register budget (ptxas sm_90, docs/tuning-log.md#rmsnorm-bwd-reg): PACKS = 1 with 16-byte h and dy packs (16-bit
-//   h and dy, or fp32 x): __launch_bounds__(1024, 1), 64 registers, 0 spills -> >= 50% occupancy, rows up to 1024
-//   threads: bf16/fp16 N <= 8192, fp32 N <= 4096. PACKS = 2, and fp32 h or dy with a 16-bit x: 64 registers spill
-//   (48-300 B), so those take __launch_bounds__(512, 1) and rows up to 512 threads (bf16 N <= 8192 at 2 packs,
-//   N <= 4096 with fp32 h/dy). Longer rows, unaligned rows and N % VEC != 0 stay on the rows / wide kernels.
+//   fp32 REGISTERS across all its rows (no smem traffic per row). Per row: the row's h / dy packs (PF: the next row's,
+//   issued before this row's reduction and held in a second register buffer), dW += dy * xhat, the row dot product
+//   sum(dy * s * xhat) (shuffles + one smem round when a row spans warps; in a cluster, + one exchange through
+//   distributed smem), and dx = rs * (dy * s - xhat * dot / N) + dh_extra. At the end the CTA sums its row slots
+//   (smem, fixed order, once) and writes one fp32 partial row (a cluster: one row, each CTA its slice);
+//   rms_norm_dw_column_sum_kernel reduces the partial rows in a fixed order (bitwise reproducible).
+// Rows beyond one CTA (sm_90+): a thread-block cluster of C = 2, 4 or 8 CTAs holds the row, each CTA a slice of
+//   nvc = ceil(NV / C) packs, and loops over the rows of its cluster.
+// Config (host): auto (sm_90, 16-byte h and dy packs: 16-bit h and dy, or fp32 x) takes PACKS = 4 single-buffered,
+//   or 2 where over a fifth of a row's thread slots would idle (bf16 N = 2304), and the fewest CTAs per cluster whose
+//   slices fit 512 threads (bf16 N <= 16384: one CTA; 32768: 2; 65536: 4; 131072: 8; beyond: the wide kernel); fp32 x
+//   only without a cluster. Threads per row tpr = ceil(nvc / PACKS) (a power of two below 32 without a cluster, else
+//   whole warps), rpb = 256 / tpr row slots for short rows. Knob FUSED_MLP_RMS_NORM_BWD (below) forces the others.
+//   Register budget (ptxas sm_90, CUDA 13.0, docs/tuning-log.md#rmsnorm-bwd-reg): 4 packs single-buffered 128
+//   registers at __launch_bounds__(512, 1), 0 spills (double-buffered it spilled 188 B: no such variant); 2 packs 87 /
+//   117 (double-buffered); 1 pack with 16-byte packs 64 at (1024, 1), fp32 h or dy with a 16-bit x 91-112 at 512.
+//   Shared memory: 272 B static, dynamic rpb * N * 4 (the row slots' dW sum, short rows) checked against the budget.
 #pragma once
 
-// Largest PACKS for (TX, TH, TD): 2 when the h and dy packs are one 16-byte unit each, else 1 (register budget).
+// Largest PACKS for (TX, TH, TD): 4 when the h and dy packs are one 16-byte unit each, else 1 (register budget).
 template <typename TX, typename TH, typename TD>
 constexpr int bwd_reg_max_packs() {
   constexpr int vec = 16 / static_cast<int>(sizeof(TX));
-  return vec * sizeof(TH) == 16 && vec * sizeof(TD) == 16 ? 2 : 1;
+  return vec * sizeof(TH) == 16 && vec * sizeof(TD) == 16 ? 4 : 1;
+}
+
+// Does the (PACKS, PF) variant exist for (TX, TH, TD)? 1 pack double-buffered everywhere; 2 packs either way and 4
+// packs single-buffered only with 16-byte h and dy packs (register budget, header).
+template <typename TX, typename TH, typename TD, int PACKS, bool PF>
+constexpr bool bwd_reg_variant() {
+  if constexpr (PACKS == 1) return PF;
+  else if constexpr (PACKS == 2) return bwd_reg_max_packs<TX, TH, TD>() >= 2;
+  else return PACKS == 4 && !PF && bwd_reg_max_packs<TX, TH, TD>() >= 4;  // double-buffered: 188 B of spills
 }
 
 // Threads per CTA the variant is compiled for (its __launch_bounds__; see the register budget above).
-template <typename TX, typename TH, typename TD, int PACKS>
+template <typename TX, typename TH, typename TD, int PACKS, bool PF>
 constexpr int bwd_reg_threads() {
   constexpr int vec = 16 / static_cast<int>(sizeof(TX));
-  return PACKS == 1 && vec * sizeof(TH) == 16 && vec * sizeof(TD) == 16 ? 1024 : 512;
+  return PACKS == 1 && PF && vec * sizeof(TH) == 16 && vec * sizeof(TD) == 16 ? 1024 : 512;
 }
 
 template <typename T, int U>
@@ -47,18 +60,27 @@ __device__ __forceinline__ float elem_rt(const uint4* u, bool f32, int j) {
   return f32 ? unit_elem<float>(u, j) : unit_elem<TB>(u, j);
 }
 
-template <typename TX, typename TH, typename TD, int PACKS>
-__global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms_norm_bwd_reg_kernel(const BwdArgs a) {
+template <typename TX, typename TH, typename TD, int PACKS, bool PF>
+__global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
+    rms_norm_bwd_reg_kernel(const BwdArgs a) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   using HPack = Pack<TH, VEC>;
   using DPack = Pack<TD, VEC>;
   constexpr int EU = VEC * 4 / 16;  // 16-byte units of an fp32 pack (a 16-bit pack uses the first half)
   extern __shared__ uint4 dyn_smem[];
   __shared__ float red[64];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float cl_part[2];  // this CTA's row sum, read by the cluster's other CTAs (double-buffered by row)
+#endif
 
   const int64_t M = a.M;
   const int N = static_cast<int>(a.N), NV = N / VEC;
   const int tpr0 = a.tpr, lane0 = threadIdx.x % tpr0, rib = threadIdx.x / tpr0;
+  // In a cluster of 2^c_shift CTAs every CTA holds the slice [col0, col0 + nvc) of the packs of the cluster's row.
+  const int cs = a.c_shift;
+  const int64_t cid = static_cast<int64_t>(blockIdx.x >> cs), ncl = static_cast<int64_t>(gridDim.x >> cs);
+  const int col0 = cs > 0 ? static_cast<int>(blockIdx.x & ((1u << cs) - 1u)) * a.nvc : 0;
+  const int nvc = cs > 0 ? min(a.nvc, NV - col0) : NV;  // <= 0 only for a forced cluster wider than the row
   const int64_t groups = (M + a.rpb - 1) / a.rpb;
   const bool has_extra = a.extra != nullptr;
   const bool want_dw = a.partial != nullptr || a.direct_dw;
@@ -73,55 +95,61 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
   HPack hc[PACKS], hn[PACKS];
   DPack dc[PACKS], dn[PACKS];
   float rs_n = 0.f;
-  // Loads of row group g's row for this slot into (hn, dn, rs_n); zeros for rows past M (they then add nothing).
-  auto load_next = [&](int64_t g) {
+  // Loads of row group g's row for this slot into (hv, dv, rs); zeros for rows past M (they then add nothing).
+  auto load_row = [&](int64_t g, HPack (&hv)[PACKS], DPack (&dv)[PACKS], float& rs) {
     int tpr = tpr0, lane = lane0;
     opaque(tpr, lane);  // per-pack addresses stay out of the loop's hoisting (as in the rows kernel)
     const int64_t row = g * a.rpb + rib;
     const bool valid = g < groups && row < M;
-    rs_n = valid ? a.rstd[row] : 0.f;
-    const TH* hr = static_cast<const TH*>(a.h) + (valid ? row : 0) * a.h_stride;
-    const TD* dr = static_cast<const TD*>(a.dy) + (valid ? row : 0) * a.dy_stride;
+    rs = valid ? a.rstd[row] : 0.f;
+    const TH* hr = static_cast<const TH*>(a.h) + (valid ? row : 0) * a.h_stride + col0 * VEC;
+    const TD* dr = static_cast<const TD*>(a.dy) + (valid ? row : 0) * a.dy_stride + col0 * VEC;
 #pragma unroll
     for (int i = 0; i < PACKS; ++i) {
       const int v = lane + i * tpr;
-      if (valid && v < NV) {
-        ld_units<TH, HPack::kUnits>(hn[i].u, hr + v * VEC);
-        ld_units<TD, DPack::kUnits>(dn[i].u, dr + v * VEC);
+      if (valid && v < nvc) {
+        ld_units<TH, HPack::kUnits>(hv[i].u, hr + v * VEC);
+        ld_units<TD, DPack::kUnits>(dv[i].u, dr + v * VEC);
       } else {
 #pragma unroll
-        for (int k = 0; k < HPack::kUnits; ++k) hn[i].u[k] = make_uint4(0u, 0u, 0u, 0u);
+        for (int k = 0; k < HPack::kUnits; ++k) hv[i].u[k] = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int k = 0; k < DPack::kUnits; ++k) dn[i].u[k] = make_uint4(0u, 0u, 0u, 0u);
+        for (int k = 0; k < DPack::kUnits; ++k) dv[i].u[k] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
   };
 
   int parity = 0;
-  int64_t g = blockIdx.x;
-  load_next(g);
-  for (; g < groups; g += gridDim.x) {
+  int cpar = 0;
+  int64_t g = cid;
+  if constexpr (PF) load_row(g, hn, dn, rs_n);
+  for (; g < groups; g += ncl) {
     int tpr = tpr0, lane = lane0;
     const int64_t row = g * a.rpb + rib;
     const bool valid = row < M;
+    float rs;
+    if constexpr (PF) {
 #pragma unroll
-    for (int i = 0; i < PACKS; ++i) {
-      hc[i] = hn[i];
-      dc[i] = dn[i];
+      for (int i = 0; i < PACKS; ++i) {
+        hc[i] = hn[i];
+        dc[i] = dn[i];
+      }
+      rs = rs_n;
+      // Next row first: its loads stay in flight through this row's reduction and dx.
+      load_row(g + ncl, hn, dn, rs_n);
+    } else {
+      load_row(g, hc, dc, rs);
     }
-    const float rs = rs_n;
-    // Next row first: its loads stay in flight through this row's reduction and dx.
-    load_next(g + gridDim.x);
     opaque(tpr, lane);
     bool has[PACKS];
 #pragma unroll
-    for (int i = 0; i < PACKS; ++i) has[i] = lane + i * tpr < NV;
+    for (int i = 0; i < PACKS; ++i) has[i] = lane + i * tpr < nvc;
     float dot = 0.f;  // one accumulator, not VEC: registers are the budget here
 #pragma unroll
     for (int i = 0; i < PACKS; ++i) {
       if (has[i]) {
         float s[VEC];
-        load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
+        load_scale<TX, VEC>(s, a.w, a.w_f32, a.offset, (col0 + lane + i * tpr) * VEC, N, true);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float xhat = hc[i].f(j) * rs;
@@ -131,13 +159,52 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
         }
       }
     }
-    const float c = row_reduce_sum(dot, tpr, red, parity) * inv_n;
+    // The dx pass unpacks h and dy again instead of keeping the unpacked fp32 values live through the reduction
+    // (2 registers per 16-bit pair: 4 packs took 128 registers): see launder_pack.
+#pragma unroll
+    for (int i = 0; i < PACKS; ++i) {
+      if constexpr (sizeof(TH) < 4) {
+        launder_pack(hc[i], a.zero);
+      } else {
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k)
+          asm volatile("" : "+r"(hc[i].u[k].x), "+r"(hc[i].u[k].y), "+r"(hc[i].u[k].z), "+r"(hc[i].u[k].w));
+      }
+      if constexpr (sizeof(TD) < 4) {
+        launder_pack(dc[i], a.zero);
+      } else {
+#pragma unroll
+        for (int k = 0; k < DPack::kUnits; ++k)
+          asm volatile("" : "+r"(dc[i].u[k].x), "+r"(dc[i].u[k].y), "+r"(dc[i].u[k].z), "+r"(dc[i].u[k].w));
+      }
+    }
+    float c = row_reduce_sum(dot, tpr, red, parity);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cs > 0) {
+      // The cluster's CTAs hold slices of one row: their sums meet in distributed shared memory, added in rank order
+      // (a butterfly over lanes = ranks) so every CTA gets the same bits. cl_part alternates by row: a CTA writes
+      // row k + 2's sum only after every CTA has passed row k + 1's barrier, i.e. finished reading row k's.
+      namespace cg = cooperative_groups;
+      const cg::cluster_group cl = cg::this_cluster();
+      if (threadIdx.x == 0) cl_part[cpar] = c;
+      cl.sync();
+      const int l = threadIdx.x & 31;
+      float p = l < (1 << cs) ? *cl.map_shared_rank(&cl_part[cpar], l) : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+      c = p;
+      cpar ^= 1;
+    }
+#else
+    if (cs > 0) __trap();  // the host launches clusters on sm_90+ only
+#endif
+    c *= inv_n;
     if (valid) {
       char* dxr = dx_row<TX>(a, row);
       const void* er = has_extra ? extra_row<TX>(a, row) : nullptr;
 #pragma unroll
       for (int i = 0; i < PACKS; ++i) {
-        const int v = lane + i * tpr;
+        const int v = col0 + lane + i * tpr;
         if (has[i]) {
           // dh_extra is read here, after the reduction: loaded earlier it spilled (the next row's packs are live).
           uint4 ev[EU];
@@ -173,13 +240,17 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
       }
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cs > 0) cooperative_groups::this_cluster().sync();  // no CTA leaves while its cl_part may still be read
+#endif
   if (!want_dw) return;
   const int tpr = tpr0, lane = lane0;
   bool has[PACKS];
 #pragma unroll
-  for (int i = 0; i < PACKS; ++i) has[i] = lane + i * tpr < NV;
+  for (int i = 0; i < PACKS; ++i) has[i] = lane + i * tpr < nvc;
 
-  // dW: one fp32 row per CTA (or dW itself when the grid is one CTA). Several row slots: summed in smem, slot order.
+  // dW: one fp32 row per CTA, or per cluster (each CTA its slice), or dW itself when the grid is one CTA. Several
+  // row slots: summed in smem, slot order.
   auto put = [&](int col, float val) {  // direct dW, weight dtype
     if (a.w_f32) {
       static_cast<float*>(a.dw)[col] = val;
@@ -188,10 +259,10 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
     }
   };
   if (a.rpb == 1) {
-    float* prow = a.direct_dw ? nullptr : a.partial + static_cast<int64_t>(blockIdx.x) * a.pstride;
+    float* prow = a.direct_dw ? nullptr : a.partial + cid * a.pstride;
 #pragma unroll
     for (int i = 0; i < PACKS; ++i) {
-      const int v = lane + i * tpr;
+      const int v = col0 + lane + i * tpr;
       if (has[i]) {
         if (a.direct_dw) {
 #pragma unroll
@@ -240,14 +311,17 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS>()), 1) rms
 
 // ---- host ------------------------------------------------------------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2], read once per process ("dynamic" at the first read:
-// re-read at every call, so one process can A/B the kernels). auto: the rows / wide kernels (the register kernel
-// measured no faster on the H200: 0.77-1.0x of the rows kernel's time, -- docs/tuning-log.md#rmsnorm-bwd-reg);
-// reg: the register kernel wherever it applies (aligned rows, N % VEC == 0, N <= its limit); legacy: = auto. packs: force PACKS (ignored where it cannot hold the row or exceeds the register budget).
+// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1], read once per process
+// ("dynamic" at the first read: re-read at every call, so one process can A/B the kernels). auto: the rows / wide
+// kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg); reg: the register kernel wherever it applies (aligned rows,
+// N % VEC == 0, a row within its reach); legacy: = auto. packs: force PACKS (where the variant exists); cluster (sm_90+):
+// force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never).
 struct BwdKnob {
   enum Mode { kAuto, kReg, kLegacy };
   Mode mode = kAuto;
   int packs = 0;
+  int cluster = 0;
+  int pf = -1;
 };
 
 inline BwdKnob parse_bwd_knob(const char* e) {
@@ -258,6 +332,11 @@ inline BwdKnob parse_bwd_knob(const char* e) {
   if (head == "reg") k.mode = BwdKnob::kReg;
   else if (head == "legacy") k.mode = BwdKnob::kLegacy;
   if (const size_t at = s.find(",packs="); at != std::string::npos) k.packs = std::atoi(s.c_str() + at + 7);
+  if (const size_t at = s.find(",cluster="); at != std::string::npos) {
+    const int c = std::atoi(s.c_str() + at + 9);
+    if (c == 2 || c == 4 || c == 8) k.cluster = c;
+  }
+  if (const size_t at = s.find(",pf="); at != std::string::npos) k.pf = std::atoi(s.c_str() + at + 4) != 0;
   return k;
 }
 
@@ -269,22 +348,71 @@ inline BwdKnob bwd_knob() {
 }
 
 struct BwdRegConfig {
-  int packs = 1, tpr = 1, rpb = 1;
+  int packs = 1, tpr = 1, rpb = 1, csize = 1, c_shift = 0, nvc = 0;
+  bool pf = true;
   int threads() const { return tpr * rpb; }
 };
 
-// PACKS, threads per row and row slots per CTA for rows of NV packs; false when the register kernel cannot hold it.
-// `max_threads(packs)`: the variant's launch bound. 1 pack by default: 64 registers and 50% occupancy beat 2 packs
-// at the spill-free 512-thread bound on paper (H200 A/B pending) -- docs/tuning-log.md#rmsnorm-bwd-reg
+// PACKS, prefetch, cluster size, threads per row and row slots per CTA for rows of NV packs; false when the register
+// kernel cannot hold the row. `max_threads(packs, pf)`: the variant's launch bound. Without forcing: 1 pack
+// (double-buffered), and on sm_90 (`cluster_ok`) the fewest CTAs per cluster (2, 4, 8) whose slices fit.
 template <typename F>
-bool bwd_reg_config(int64_t NV, int max_packs, int forced, F&& max_threads, BwdRegConfig& c) {
-  const int packs = forced == 2 && max_packs >= 2 ? 2 : 1;
-  const int64_t need = (NV + packs - 1) / packs;
-  if (NV < 1 || need > max_threads(packs)) return false;
+bool bwd_reg_config(int64_t NV, int max_packs, const BwdKnob& k, bool cluster_ok, F&& max_threads, BwdRegConfig& c) {
+  if (NV < 1) return false;
+  const int packs = (k.packs == 2 || k.packs == 4) && k.packs <= max_packs ? k.packs : 1;
+  const bool pf = packs == 1 || (packs == 2 && k.pf > 0);  // 2 packs: single-buffered unless pf=1; 4: always
+  const int limit = max_threads(packs, pf);
+  int C = 1;
+  if (k.cluster > 1) {
+    if (!cluster_ok) return false;
+    C = k.cluster;
+  } else if ((NV + packs - 1) / packs > limit) {
+    if (!cluster_ok) return false;
+    for (C = 2; C <= 8 && ((NV + C - 1) / C + packs - 1) / packs > limit; C *= 2) {
+    }
+    if (C > 8) return false;
+  }
+  const int64_t nvc = (NV + C - 1) / C;
+  const int64_t need = (nvc + packs - 1) / packs;
+  if (need > limit) return false;
   c.packs = packs;
-  c.tpr = need <= 32 ? next_pow2(need) : static_cast<int>((need + 31) / 32 * 32);
-  c.rpb = c.tpr >= 256 ? 1 : 256 / c.tpr;  // CTAs of >= 256 threads: short rows share a CTA
+  c.pf = pf;
+  c.csize = C;
+  c.c_shift = C == 8 ? 3 : C == 4 ? 2 : C == 2 ? 1 : 0;
+  c.nvc = static_cast<int>(nvc);
+  c.tpr = C == 1 && need <= 32 ? next_pow2(need) : static_cast<int>((need + 31) / 32 * 32);
+  c.rpb = C == 1 && c.tpr < 256 ? 256 / c.tpr : 1;  // CTAs of >= 256 threads: short rows share a CTA
   return true;
+}
+
+int reg_active_clusters(const void* kernel, int threads, int csize, int dev);  // below (the forward's launcher)
+
+// The register kernel's (PACKS, PF) variant for (TX, TH, TD) as a launchable pointer; null where it does not exist.
+template <typename TX, typename TH, typename TD>
+const void* bwd_reg_kernel_ptr(int packs, bool pf) {
+  const void* k = nullptr;
+  auto pick = [&](auto pk, auto pft) {
+    constexpr int P = decltype(pk)::value;
+    constexpr bool F = decltype(pft)::value;
+    if constexpr (bwd_reg_variant<TX, TH, TD, P, F>())
+      if (packs == P && pf == F) k = reinterpret_cast<const void*>(&rms_norm_bwd_reg_kernel<TX, TH, TD, P, F>);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  using T = std::true_type;
+  using Fl = std::false_type;
+  pick(I1{}, T{});
+  pick(I2{}, T{});
+  pick(I2{}, Fl{});
+  pick(I4{}, Fl{});
+  return k;
+}
+
+template <typename TX, typename TH, typename TD>
+constexpr int bwd_reg_max_threads(int packs, bool pf) {
+  if (packs == 1 && pf) return bwd_reg_threads<TX, TH, TD, 1, true>();
+  return 512;
 }
 
 // Launches the register kernel for (TX, TH, TD) when the knob and the layout allow it; false: the caller takes the
@@ -293,45 +421,76 @@ template <typename TX, typename TH, typename TD>
 bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t stream, bool want_dw,
                     const Tensor& like, Tensor& partial, int& partial_rows) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  constexpr int kMaxPacks = bwd_reg_max_packs<TX, TH, TD>();
   const BwdKnob knob = bwd_knob();
-  if (knob.mode != BwdKnob::kReg || !a.vec_ok || a.N % VEC != 0) return false;
+  // auto: the register kernel on sm_90 where h and dy packs are 16 bytes (the measured cases); else the rows / wide
+  // kernels, as with legacy.
+  const bool use = knob.mode == BwdKnob::kReg || (knob.mode == BwdKnob::kAuto && info.major == 9 && kMaxPacks >= 4);
+  if (!use || !a.vec_ok || a.N % VEC != 0) return false;
   const int64_t NV = a.N / VEC;
   BwdRegConfig c;
-  auto max_threads = [](int packs) {
-    return packs == 2 ? bwd_reg_threads<TX, TH, TD, 2>() : bwd_reg_threads<TX, TH, TD, 1>();
-  };
-  if (!bwd_reg_config(NV, bwd_reg_max_packs<TX, TH, TD>(), knob.packs, max_threads, c)) return false;
-  const void* kern = nullptr;
-  if (c.packs == 2) {
-    if constexpr (bwd_reg_max_packs<TX, TH, TD>() >= 2)
-      kern = reinterpret_cast<const void*>(&rms_norm_bwd_reg_kernel<TX, TH, TD, 2>);
-  } else {
-    kern = reinterpret_cast<const void*>(&rms_norm_bwd_reg_kernel<TX, TH, TD, 1>);
+  auto max_threads = [](int packs, bool pf) { return bwd_reg_max_threads<TX, TH, TD>(packs, pf); };
+  if (knob.mode == BwdKnob::kAuto) {
+    // 4 packs per thread, single-buffered; 2 where over a fifth of a row's thread slots would idle
+    // (docs/tuning-log.md#rmsnorm-bwd-reg).
+    BwdKnob k4, k2;
+    k4.packs = 4;
+    k2.packs = 2;
+    if (!bwd_reg_config(NV, kMaxPacks, k4, true, max_threads, c)) return false;
+    if (sizeof(TX) == 4 && c.csize > 1) return false;  // fp32 rows past one CTA: 0.96x the rows kernel at N = 16384
+    auto idle = [](const BwdRegConfig& q) {
+      return 1.0 - static_cast<double>((q.nvc + q.packs - 1) / q.packs) / q.tpr;
+    };
+    BwdRegConfig c2;
+    if (idle(c) > 0.2 && bwd_reg_config(NV, kMaxPacks, k2, true, max_threads, c2) && c2.csize == c.csize &&
+        idle(c2) < idle(c))
+      c = c2;
+  } else if (!bwd_reg_config(NV, kMaxPacks, knob, info.major >= 9, max_threads, c)) {
+    return false;
   }
+  const void* kern = bwd_reg_kernel_ptr<TX, TH, TD>(c.packs, c.pf);
   if (kern == nullptr || kernel_spills(kern, dev)) return false;  // sm_100 / sm_120 allocate differently
   const int64_t smem = c.rpb > 1 && want_dw ? static_cast<int64_t>(c.rpb) * a.N * 4 : 0;
   if (smem > smem_budget(info)) return false;
-  const int occ = blocks_per_sm(kern, c.threads(), smem, dev);
-  if (occ <= 0) return false;
-  const int64_t groups = (a.M + c.rpb - 1) / c.rpb;
-  const int grid = static_cast<int>(std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ));
+  int64_t grid = 0;
+  if (c.csize > 1) {
+    const int ncl = reg_active_clusters(kern, c.threads(), c.csize, dev);
+    if (ncl < 1) return false;
+    grid = std::min<int64_t>(a.M, ncl) * c.csize;
+  } else {
+    const int occ = blocks_per_sm(kern, c.threads(), smem, dev);
+    if (occ <= 0) return false;
+    const int64_t groups = (a.M + c.rpb - 1) / c.rpb;
+    grid = std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ);
+  }
   a.tpr = c.tpr;
   a.rpb = c.rpb;
+  a.nvc = c.nvc;
+  a.c_shift = c.c_shift;
   a.prefetch = false;
   a.dw_smem = false;
   a.direct_dw = want_dw && grid == 1;
   a.partial = nullptr;
-  partial_rows = grid;
+  partial_rows = static_cast<int>(grid / c.csize);  // one partial row per CTA, or per cluster
   if (want_dw && !a.direct_dw) {
-    partial = fused_mlp::empty({grid, a.pstride}, kFloat, like);
+    partial = fused_mlp::empty({partial_rows, a.pstride}, kFloat, like);
     a.partial = static_cast<float*>(partial.data_ptr());
   }
-  if (c.packs == 2) {
-    if constexpr (bwd_reg_max_packs<TX, TH, TD>() >= 2)
-      rms_norm_bwd_reg_kernel<TX, TH, TD, 2><<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
-  } else {
-    rms_norm_bwd_reg_kernel<TX, TH, TD, 1><<<grid, c.threads(), static_cast<size_t>(smem), stream>>>(a);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(c.threads()), 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (c.csize > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(c.csize);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
   }
-  FM_KERNEL_LAUNCH_CHECK();
+  void* args[] = {&a};
+  FM_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kern, args));
   return true;
 }

@@ -727,14 +727,16 @@ def test_cuda_tuning_knobs_subprocess():
 
 def bwd_reg_cases(fm):
     """The register kernel's configurations (1 pack per thread: 1..32 threads per row for N <= 256 bf16, then whole
-    warps up to 1024 threads at N = 8192 bf16 / 4096 fp32; "packs=2" halves that), its limits (the next N falls to
-    the rows kernel), M against the persistent grid, and every feature: dh_extra (fused residual), fp32 residual stream, Gemma's offset, no weight, fp32 weight, fp32 dy.
-    Run by test_cuda_bwd_reg_knob under each knob value in a fresh process."""
+    warps up to 1024 threads at N = 8192 bf16 / 4096 fp32; "packs=2" / "packs=4" halve / quarter that; beyond, on
+    sm_90, the row split over a cluster of 2..8 CTAs), its limits (the next N falls to the rows / wide kernels), M
+    against the persistent grid, and every feature: dh_extra (fused residual), fp32 residual stream, Gemma's offset,
+    no weight, fp32 weight, fp32 dy. Run by test_cuda_bwd_reg_knob under each knob value in a fresh process."""
     bf = torch.bfloat16
     w_of = lambda n, dt=bf: 1 + 0.25 * make((n,), dt, "cuda", seed=1)  # noqa: E731
-    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384)),
-                      (torch.float16, (512, 4096, 8192)),
-                      (torch.float32, (4, 256, 2048, 4096, 4100))]:
+    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384, 16392, 32768, 65536,
+                            131072)),
+                      (torch.float16, (512, 4096, 8192, 24576)),
+                      (torch.float32, (4, 256, 2048, 4096, 4100, 8192, 32768))]:
         for n in ns:
             M = max(3, min(3000, (1 << 24) // n))
             run_case(fm, make((M, n), dtype, "cuda"), w_of(n, dtype))
@@ -767,7 +769,8 @@ def bwd_reg_cases(fm):
 
 
 @requires_cuda
-@pytest.mark.parametrize("knob", ["reg", "reg,packs=1", "legacy", "dynamic"])
+@pytest.mark.parametrize("knob", ["auto", "reg", "reg,packs=1", "reg,packs=2,pf=0", "reg,packs=4", "reg,packs=4,cluster=2",
+                                  "reg,packs=2,cluster=8", "legacy", "dynamic"])
 def test_cuda_bwd_reg_knob(knob):
     """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
     the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup)."""
