@@ -11,9 +11,11 @@ with random weights, bf16 -- training step (fwd + bwd of the LM loss) and prefil
 Definitions mirror ``anchors/e2e_bench.py`` so the numbers compare with ``anchors/e2e.json``: GemmaConfig(vocab 4096,
 hidden 2048, intermediate 16384, 8 heads, 1 KV head, head_dim 256, gelu_pytorch_tanh), ``input_ids`` of shape
 (2, 2048), ``labels = input_ids``; the step is ``model(input_ids, labels).loss.backward()`` timed by ``do_bench``
-with ``grad_to_none`` = all parameters, and the peak memory is ``max_memory_allocated`` over that whole
-``do_bench`` (as the anchor measured it); prefill is the forward under ``no_grad``. Liger's patching replaces
-transformers' classes process-wide, so Liger always runs last for a model.
+with ``grad_to_none`` = all parameters; prefill is the forward under ``no_grad``. Every provider of a model is built
+first, then steps and prefills are timed in ``--rounds`` interleaved rounds (p50 = median of the rounds' medians).
+Peak memory is ``max_memory_allocated`` over one step minus what was allocated before that provider's model was built
+(the anchor's figure also held do_bench's 256 MB cache-flush buffer). Liger's patching replaces transformers' classes
+process-wide, so Liger's rows come after every model's other providers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from bench_lib import (  # noqa: E402
     ROOT,
     ResultWriter,
     Timer,
+    Timing,
+    _percentile,
     collect_env,
     describe_exception,
     device_slug,
@@ -153,8 +157,34 @@ def apply_liger(spec: ModelSpec) -> None:
         apply_liger_kernel_to_llama(swiglu=True, **kw)
 
 
+@dataclass
+class _Ready:
+    """A provider's model, built, kernelized / compiled and run once, waiting for its timed rounds."""
+
+    prov: str
+    base: dict
+    model: nn.Module
+    run: nn.Module
+    params: list
+    note: str
+    setup_s: float
+    peak: int | None
+    loss: float
+
+
+def _combine(rounds: Sequence[Timing]) -> Timing:
+    """p50 = median of the rounds' medians; p20 / p80 = 20th / 80th percentile of the rounds' p20s / p80s (as sweep.py)."""
+    return Timing(_percentile(sorted(t.p20 for t in rounds), 0.2), _percentile(sorted(t.p50 for t in rounds), 0.5),
+                  _percentile(sorted(t.p80 for t in rounds), 0.8))
+
+
 def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, timer: Timer, device: str,
-              available_layers: set[str]) -> None:
+              available_layers: set[str], providers: Sequence[str], eager_losses: dict[str, float]) -> None:
+    """Every provider's model is built and run once, then the training steps and the prefills are timed in
+    interleaved rounds (rotating order; each round gives every provider rep_ms / rounds): the host is noisy and a
+    provider timed in its own window can read 1.3x off (the kernelized Llama stack read 13.5-19.9 ms per step in
+    single windows on one build). Peak memory: max_memory_allocated over one step minus what was allocated before the
+    provider's model was built (its parameters, gradients and activations)."""
     dtype = DTYPES[args.dtype]
     op = f"e2e_{spec.name}"
     tokens = args.batch * args.seq
@@ -162,79 +192,110 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
     shape_s = f"L={spec.layers},B={args.batch},S={args.seq},H={spec.hidden},I={spec.inter}"
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, spec.vocab, (args.batch, args.seq), generator=gen).to(device)
-    providers = [p for p in PROVIDERS if p in args.providers]  # Liger last: its patching is process-wide
-    eager_loss: float | None = None
-    for prov in providers:
-        base = dict(op=op, provider=prov, role="ours" if prov.startswith("ours") else "anchor", source="measured",
-                    dtype=args.dtype, shape=shape_s, **shape)
-        if prov == "liger" and device != "cuda":
-            writer.add(**base, status="skipped: liger-kernel needs a CUDA GPU")
-            continue
-        if prov.startswith("ours") and not available_layers:
-            writer.add(**base, status="skipped: the loaded kernel has no layers to kernelize")
-            continue
-        torch._dynamo.reset()
-        t0 = time.monotonic()
-        model = None
-        try:
-            if prov == "liger":
-                apply_liger(spec)
-            model = build_model(spec, device, dtype, args.seq)
-            note = ""
-            if prov.startswith("ours"):
-                counts = kernelize_model(model, device, ["training"] + (["compile"] if "compile" in prov else []),
-                                         args.kernel_layers.split(","), available_layers, args.kernel_path)
-                note = "kernelized: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-                log(f"[{op}] {prov}: {note}")
-            run = torch.compile(model) if "compile" in prov else model
-            params = list(model.parameters())
-
-            def step() -> None:
-                run(input_ids=ids, labels=ids).loss.backward()
-
-            def prefill() -> None:
+    torch._dynamo.reset()
+    ready: list[_Ready] = []
+    try:
+        for prov in [p for p in PROVIDERS if p in providers]:
+            base = dict(op=op, provider=prov, role="ours" if prov.startswith("ours") else "anchor", source="measured",
+                        dtype=args.dtype, shape=shape_s, **shape)
+            if prov == "liger" and device != "cuda":
+                writer.add(**base, status="skipped: liger-kernel needs a CUDA GPU")
+                continue
+            if prov.startswith("ours") and not available_layers:
+                writer.add(**base, status="skipped: the loaded kernel has no layers to kernelize")
+                continue
+            t0 = time.monotonic()
+            model = None
+            try:
+                if prov == "liger":
+                    apply_liger(spec)
+                synchronize(device)
+                mem0 = torch.cuda.memory_allocated() if device == "cuda" else 0
+                model = build_model(spec, device, dtype, args.seq)
+                note = ""
+                if prov.startswith("ours"):
+                    counts = kernelize_model(model, device, ["training"] + (["compile"] if "compile" in prov else []),
+                                             args.kernel_layers.split(","), available_layers, args.kernel_path)
+                    note = "kernelized: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+                    log(f"[{op}] {prov}: {note}")
+                run = torch.compile(model) if "compile" in prov else model
+                params = list(model.parameters())
+                run(input_ids=ids, labels=ids).loss.backward()  # warm-up / compile
+                synchronize(device)
+                setup_s = time.monotonic() - t0
+                for p in params:
+                    p.grad = None
+                peak = None
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    run(input_ids=ids, labels=ids).loss.backward()
+                    synchronize(device)
+                    peak = int(torch.cuda.max_memory_allocated()) - mem0
                 with torch.no_grad():
-                    run(input_ids=ids)
+                    loss = float(run(input_ids=ids, labels=ids).loss.item())
+                if prov == "eager":
+                    eager_losses[spec.name] = loss
+                ready.append(_Ready(prov, base, model, run, params, note, setup_s, peak, loss))
+                log(f"[{op}] {prov}: ready in {setup_s:.0f} s, loss {loss:.5f}")
+            except Exception as e:  # noqa: BLE001 - recorded, the other providers still run
+                writer.add(**base, mode="train_step", status=f"error: {describe_exception(e)}")
+                log(f"[{op}] {prov}: FAILED {describe_exception(e)}")
+                del model
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
 
-            step()  # warm-up / compile
-            synchronize(device)
-            setup_s = time.monotonic() - t0
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t_step = timer.time(step, grad_to_none=params)
-            peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
-            with torch.no_grad():
-                loss = float(run(input_ids=ids, labels=ids).loss.item())
-            if prov == "eager":
-                eager_loss = loss
-            if prov.startswith("ours") and "compile" not in prov:
+        def timed_rounds(fns: dict[str, tuple]) -> dict[str, Timing]:
+            names = list(fns)
+            per: dict[str, list[Timing]] = {n: [] for n in names}
+            for r in range(args.rounds):
+                k = r % len(names) if names else 0
+                for n in names[k:] + names[:k]:
+                    fn, grads = fns[n]
+                    per[n].append(timer.time(fn, grad_to_none=grads, warmup_ms=timer.warmup_ms / args.rounds,
+                                             rep_ms=timer.rep_ms / args.rounds))
+            return {n: _combine(v) for n, v in per.items()}
+
+        def step_of(e: _Ready):
+            return lambda: e.run(input_ids=ids, labels=ids).loss.backward()
+
+        def prefill_of(e: _Ready):
+            def f() -> None:
+                with torch.no_grad():
+                    e.run(input_ids=ids)
+            return f
+
+        steps = timed_rounds({e.prov: (step_of(e), e.params) for e in ready})
+        for e in ready:
+            for p in e.params:
+                p.grad = None
+            if e.prov.startswith("ours") and "compile" not in e.prov:
                 # Prefill through the INFERENCE-mode kernelization (what an inference user gets).
-                kernelize_model(model, device, ["inference"], args.kernel_layers.split(","), available_layers,
+                kernelize_model(e.model, device, ["inference"], args.kernel_layers.split(","), available_layers,
                                 args.kernel_path)
-            prefill()
-            synchronize(device)
-            t_pre = timer.time(prefill)
-            common = dict(base, status="ok", compile_s=setup_s if "compile" in prov else None,
-                          max_err=abs(loss - eager_loss) if eager_loss is not None else None,
-                          note=f"loss {loss:.6f}" + (f"; {note}" if note else ""))
+            prefill_of(e)()
+        synchronize(device)
+        prefills = timed_rounds({e.prov: (prefill_of(e), None) for e in ready})
+        eager_loss = eager_losses.get(spec.name)
+        for e in ready:
+            t_step, t_pre = steps[e.prov], prefills[e.prov]
+            common = dict(e.base, status="ok", compile_s=e.setup_s if "compile" in e.prov else None,
+                          max_err=abs(e.loss - eager_loss) if eager_loss is not None else None,
+                          note=f"loss {e.loss:.6f}; {args.rounds} interleaved rounds" + (f"; {e.note}" if e.note else ""))
             writer.add(**common, mode="train_step", time_p20_ms=t_step.p20, time_p50_ms=t_step.p50,
-                       time_p80_ms=t_step.p80, tokens_per_s=tokens / t_step.p50 * 1e3, peak_mem_bytes=peak)
+                       time_p80_ms=t_step.p80, tokens_per_s=tokens / t_step.p50 * 1e3, peak_mem_bytes=e.peak)
             writer.add(**common, mode="prefill", time_p20_ms=t_pre.p20, time_p50_ms=t_pre.p50,
                        time_p80_ms=t_pre.p80, tokens_per_s=tokens / t_pre.p50 * 1e3)
-            log(f"[{op}] {prov}: step {t_step.p50:.2f} ms ({tokens / t_step.p50 * 1e3:.0f} tok/s), prefill "
-                f"{t_pre.p50:.2f} ms, peak {peak / 1e9 if peak else float('nan'):.2f} GB, loss {loss:.5f} "
-                f"({time.monotonic() - t0:.0f} s)")
-        except Exception as e:  # noqa: BLE001 - recorded, the other providers still run
-            writer.add(**base, mode="train_step", status=f"error: {describe_exception(e)}")
-            log(f"[{op}] {prov}: FAILED {describe_exception(e)}")
-        finally:
-            if prov.startswith("ours"):
-                undo_opt_in()
-            del model
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        writer.checkpoint()
+            log(f"[{op}] {e.prov}: step {t_step.p50:.2f} ms ({tokens / t_step.p50 * 1e3:.0f} tok/s), prefill "
+                f"{t_pre.p50:.2f} ms, peak {e.peak / 1e9 if e.peak else float('nan'):.2f} GB, loss {e.loss:.5f}")
+    finally:
+        if any(p.startswith("ours") for p in providers):
+            undo_opt_in()
+        ready.clear()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    writer.checkpoint()
     _speedups(writer, op)
 
 
@@ -272,7 +333,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--csv-name", default="e2e.csv")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--warmup-ms", type=float, default=None, help="default GPU 25, CPU 20")
-    p.add_argument("--rep-ms", type=float, default=None, help="default GPU 200, CPU 200")
+    p.add_argument("--rep-ms", type=float, default=None, help="default GPU 200, CPU 200 (split over the rounds)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per model (default 3)")
     return p.parse_args(argv)
 
 
@@ -304,11 +366,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup_ms if args.warmup_ms is not None else (25.0 if on_gpu else 20.0)
     rep = args.rep_ms if args.rep_ms is not None else 200.0
     timer = Timer(device, warmup_ms=warmup, rep_ms=rep)
+    specs = []
     for name in args.models.split(","):
         spec = (TINY if args.tiny else MODELS)[name]
         if args.layers:
             spec = ModelSpec(**{**spec.__dict__, "layers": args.layers})
-        run_model(spec, args, writer, timer, device, available)
+        specs.append(spec)
+    # Liger's patching replaces transformers' classes for the rest of the process: its rows come last, after every
+    # model's other providers (a Llama model after a Liger-patched Llama would otherwise run Liger's modules).
+    eager_losses: dict[str, float] = {}
+    first = [p for p in args.providers if p != "liger"]
+    for spec in specs:
+        run_model(spec, args, writer, timer, device, available, first, eager_losses)
+    if "liger" in args.providers:
+        for spec in specs:
+            run_model(spec, args, writer, timer, device, available, ["liger"], eager_losses)
     writer.checkpoint()
     log(f"wrote {out} in {time.monotonic() - t0:.0f} s")
     return 0
