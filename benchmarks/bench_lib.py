@@ -182,6 +182,17 @@ def _percentile(sorted_vals: Sequence[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
+def combine_rounds(rounds: Sequence[Timing]) -> Timing:
+    """One Timing from the per-round Timings of one (provider, mode): p50 = median of the rounds' medians; p20 =
+    20th percentile of the rounds' p20s, p80 = 80th percentile of their p80s (the band holds the spread within and
+    across rounds; one round gives that round's Timing unchanged)."""
+    if not rounds:
+        raise ValueError("no rounds to combine")
+    return Timing(_percentile(sorted(t.p20 for t in rounds), QUANTILES[0]),
+                  _percentile(sorted(t.p50 for t in rounds), QUANTILES[1]),
+                  _percentile(sorted(t.p80 for t in rounds), QUANTILES[2]))
+
+
 def llc_bytes() -> int:
     """Size of the largest CPU cache (sysfs), 32 MiB when unknown."""
     best = 0

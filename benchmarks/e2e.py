@@ -42,8 +42,8 @@ from bench_lib import (  # noqa: E402
     ResultWriter,
     Timer,
     Timing,
-    _percentile,
     collect_env,
+    combine_rounds,
     describe_exception,
     device_slug,
     load_kernel,
@@ -172,12 +172,6 @@ class _Ready:
     loss: float
 
 
-def _combine(rounds: Sequence[Timing]) -> Timing:
-    """p50 = median of the rounds' medians; p20 / p80 = 20th / 80th percentile of the rounds' p20s / p80s (as sweep.py)."""
-    return Timing(_percentile(sorted(t.p20 for t in rounds), 0.2), _percentile(sorted(t.p50 for t in rounds), 0.5),
-                  _percentile(sorted(t.p80 for t in rounds), 0.8))
-
-
 def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, timer: Timer, device: str,
               available_layers: set[str], providers: Sequence[str], eager_losses: dict[str, float]) -> None:
     """Every provider's model is built and run once, then the training steps and the prefills are timed in
@@ -254,7 +248,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                     fn, grads = fns[n]
                     per[n].append(timer.time(fn, grad_to_none=grads, warmup_ms=timer.warmup_ms / args.rounds,
                                              rep_ms=timer.rep_ms / args.rounds))
-            return {n: _combine(v) for n, v in per.items()}
+            return {n: combine_rounds(v) for n, v in per.items()}
 
         def step_of(e: _Ready):
             return lambda: e.run(input_ids=ids, labels=ids).loss.backward()

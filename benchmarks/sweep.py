@@ -61,15 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
     DTYPES,
-    QUANTILES,
     ROOT,
     Budget,
     Ceilings,
     ResultWriter,
     Timer,
     Timing,
-    _percentile,
     collect_env,
+    combine_rounds,
     cuda_graph_times,
     describe_exception,
     device_slug,
@@ -1038,17 +1037,6 @@ def _metric_fields(ctx: Ctx, op: OpSpec, case: Case, mode: str, t: Timing) -> di
             tflops = amount / t.p50 / 1e9
             out.update(flops=amount, tflops=tflops, pct_of_ceiling=100 * tflops / cval)
     return out
-
-
-def combine_rounds(rounds: Sequence[Timing]) -> Timing:
-    """One Timing from the per-round Timings of one (provider, mode): p50 = median of the rounds' medians; p20 =
-    20th percentile of the rounds' p20s, p80 = 80th percentile of their p80s (the band holds the spread within and
-    across rounds; one round gives that round's Timing unchanged)."""
-    if not rounds:
-        raise ValueError("no rounds to combine")
-    return Timing(_percentile(sorted(t.p20 for t in rounds), QUANTILES[0]),
-                  _percentile(sorted(t.p50 for t in rounds), QUANTILES[1]),
-                  _percentile(sorted(t.p80 for t in rounds), QUANTILES[2]))
 
 
 def _rounds_note(rounds: int) -> str:
