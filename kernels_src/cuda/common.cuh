@@ -193,6 +193,13 @@ void dispatch_base_or_float(ScalarType t, const char* what, F&& f) {
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// Host: the ",<key>=<int>" value of a tuning knob's string (`absent` when the key is not there).
+inline int knob_value(const std::string& s, const char* key, int absent) {
+  const std::string pat = std::string(",") + key + "=";
+  const size_t at = s.find(pat);
+  return at == std::string::npos ? absent : std::atoi(s.c_str() + at + pat.size());
+}
+
 // Host: the switch of a "few rows" (decode-class) path, from an environment variable read once per process:
 //   "auto" (or unset / unknown): the launcher's measured threshold | "on": wherever the path applies | "off": never;
 //   an optional ",<key>=<int>" tuning value (e.g. "on,packs=2"; 0 when absent).
@@ -221,8 +228,7 @@ class SmallKnobReader {
     const std::string head = s.substr(0, s.find(','));
     if (head == "on") k.mode = SmallKnob::kOn;
     else if (head == "off") k.mode = SmallKnob::kOff;
-    const std::string pat = std::string(",") + key_ + "=";
-    if (const size_t at = s.find(pat); at != std::string::npos) k.value = std::atoi(s.c_str() + at + pat.size());
+    k.value = knob_value(s, key_, 0);
     return k;
   }
   const char* var_;

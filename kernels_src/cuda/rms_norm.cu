@@ -728,14 +728,19 @@ constexpr int kRegMaxThreads = 512;  // __launch_bounds__: <= 128 regs, 0 spills
 // output (2 registers per bf16 pair: P = 8 took 116 registers, ptxas merges any second unpack of the same words).
 // Adding a run-time zero (FwdRegArgs::zero) to the packed words makes them new values to ptxas: the output unpacks
 // them again (one add per 32-bit word, a unpack per element) and the row stays at 4 registers per 16-byte pack.
+// fp32 packs need no unpack: an opaque copy suffices (fwd P = 8: 78 -> 64 registers).
 template <typename T, int VEC>
 __device__ __forceinline__ void launder_pack(Pack<T, VEC>& p, uint32_t zero) {
 #pragma unroll
   for (int k = 0; k < Pack<T, VEC>::kUnits; ++k) {
-    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].x) : "r"(zero));
-    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].y) : "r"(zero));
-    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].z) : "r"(zero));
-    asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].w) : "r"(zero));
+    if constexpr (sizeof(T) < 4) {
+      asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].x) : "r"(zero));
+      asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].y) : "r"(zero));
+      asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].z) : "r"(zero));
+      asm("add.u32 %0, %0, %1;" : "+r"(p.u[k].w) : "r"(zero));
+    } else {
+      asm volatile("" : "+r"(p.u[k].x), "+r"(p.u[k].y), "+r"(p.u[k].z), "+r"(p.u[k].w));
+    }
   }
 }
 
@@ -884,15 +889,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
     }
   }
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    if constexpr (sizeof(TH) < 4) {
-      launder_pack(hv[i], a.zero);
-    } else {
-#pragma unroll
-      for (int k = 0; k < HPack::kUnits; ++k)  // fp32: an opaque copy suffices (P = 8: 78 -> 64 registers)
-        asm volatile("" : "+r"(hv[i].u[k].x), "+r"(hv[i].u[k].y), "+r"(hv[i].u[k].z), "+r"(hv[i].u[k].w));
-    }
-  }
+  for (int i = 0; i < P; ++i) launder_pack(hv[i], a.zero);
   float ss = reg_row_sum(sum_vec(ssv), tpr, rib, red);
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1628,14 +1625,8 @@ FwdKnob parse_fwd_knob(const char* e) {
   const std::string head = s.substr(0, s.find(','));
   if (head == "reg") k.mode = FwdKnob::kReg;
   else if (head == "legacy") k.mode = FwdKnob::kLegacy;
-  if (const size_t at = s.find(",cluster="); at != std::string::npos) {
-    const int c = std::atoi(s.c_str() + at + 9);
-    if (c == 2 || c == 4 || c == 8) k.cluster = c;
-  }
-  if (const size_t at = s.find(",packs="); at != std::string::npos) {
-    const int p = std::atoi(s.c_str() + at + 7);
-    if (p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
-  }
+  if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
+  if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   return k;
 }
 

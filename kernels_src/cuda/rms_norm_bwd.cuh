@@ -163,20 +163,8 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
     // (2 registers per 16-bit pair: 4 packs took 128 registers): see launder_pack.
 #pragma unroll
     for (int i = 0; i < PACKS; ++i) {
-      if constexpr (sizeof(TH) < 4) {
-        launder_pack(hc[i], a.zero);
-      } else {
-#pragma unroll
-        for (int k = 0; k < HPack::kUnits; ++k)
-          asm volatile("" : "+r"(hc[i].u[k].x), "+r"(hc[i].u[k].y), "+r"(hc[i].u[k].z), "+r"(hc[i].u[k].w));
-      }
-      if constexpr (sizeof(TD) < 4) {
-        launder_pack(dc[i], a.zero);
-      } else {
-#pragma unroll
-        for (int k = 0; k < DPack::kUnits; ++k)
-          asm volatile("" : "+r"(dc[i].u[k].x), "+r"(dc[i].u[k].y), "+r"(dc[i].u[k].z), "+r"(dc[i].u[k].w));
-      }
+      launder_pack(hc[i], a.zero);
+      launder_pack(dc[i], a.zero);
     }
     float c = row_reduce_sum(dot, tpr, red, parity);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -331,12 +319,9 @@ inline BwdKnob parse_bwd_knob(const char* e) {
   const std::string head = s.substr(0, s.find(','));
   if (head == "reg") k.mode = BwdKnob::kReg;
   else if (head == "legacy") k.mode = BwdKnob::kLegacy;
-  if (const size_t at = s.find(",packs="); at != std::string::npos) k.packs = std::atoi(s.c_str() + at + 7);
-  if (const size_t at = s.find(",cluster="); at != std::string::npos) {
-    const int c = std::atoi(s.c_str() + at + 9);
-    if (c == 2 || c == 4 || c == 8) k.cluster = c;
-  }
-  if (const size_t at = s.find(",pf="); at != std::string::npos) k.pf = std::atoi(s.c_str() + at + 4) != 0;
+  k.packs = knob_value(s, "packs", 0);
+  if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
+  if (const int pf = knob_value(s, "pf", -1); pf >= 0) k.pf = pf != 0;
   return k;
 }
 
