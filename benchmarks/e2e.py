@@ -25,6 +25,7 @@ import contextlib
 import gc
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -239,16 +240,27 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                 if device == "cuda":
                     torch.cuda.empty_cache()
 
-        def timed_rounds(fns: dict[str, tuple]) -> dict[str, Timing]:
+        def timed_rounds(fns: dict[str, tuple]) -> tuple[dict[str, Timing], dict[str, float]]:
+            """Timings, and each provider's host time per call: the median over the rounds of the time one call takes
+            to return with the device idle before it (the launches; the device runs behind). A host time close to
+            the call's device time means the row measures the host as much as the kernels."""
             names = list(fns)
             per: dict[str, list[Timing]] = {n: [] for n in names}
+            host: dict[str, list[float]] = {n: [] for n in names}
             for r in range(args.rounds):
                 k = r % len(names) if names else 0
                 for n in names[k:] + names[:k]:
                     fn, grads = fns[n]
                     per[n].append(timer.time(fn, grad_to_none=grads, warmup_ms=timer.warmup_ms / args.rounds,
                                              rep_ms=timer.rep_ms / args.rounds))
-            return {n: combine_rounds(v) for n, v in per.items()}
+                    for p in grads or ():
+                        p.grad = None
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    host[n].append((time.perf_counter() - t0) * 1e3)
+                    synchronize(device)
+            return {n: combine_rounds(v) for n, v in per.items()}, {n: statistics.median(v) for n, v in host.items()}
 
         def step_of(e: _Ready):
             return lambda: e.run(input_ids=ids, labels=ids).loss.backward()
@@ -259,7 +271,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                     e.run(input_ids=ids)
             return f
 
-        steps = timed_rounds({e.prov: (step_of(e), e.params) for e in ready})
+        steps, host_step = timed_rounds({e.prov: (step_of(e), e.params) for e in ready})
         for e in ready:
             for p in e.params:
                 p.grad = None
@@ -269,19 +281,23 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                                 args.kernel_path)
             prefill_of(e)()
         synchronize(device)
-        prefills = timed_rounds({e.prov: (prefill_of(e), None) for e in ready})
+        prefills, host_pre = timed_rounds({e.prov: (prefill_of(e), None) for e in ready})
         eager_loss = eager_losses.get(spec.name)
         for e in ready:
             t_step, t_pre = steps[e.prov], prefills[e.prov]
             common = dict(e.base, status="ok", compile_s=e.setup_s if "compile" in e.prov else None,
                           max_err=abs(e.loss - eager_loss) if eager_loss is not None else None,
                           note=f"loss {e.loss:.6f}; {args.rounds} interleaved rounds" + (f"; {e.note}" if e.note else ""))
-            writer.add(**common, mode="train_step", time_p20_ms=t_step.p20, time_p50_ms=t_step.p50,
-                       time_p80_ms=t_step.p80, tokens_per_s=tokens / t_step.p50 * 1e3, peak_mem_bytes=e.peak)
-            writer.add(**common, mode="prefill", time_p20_ms=t_pre.p20, time_p50_ms=t_pre.p50,
-                       time_p80_ms=t_pre.p80, tokens_per_s=tokens / t_pre.p50 * 1e3)
-            log(f"[{op}] {e.prov}: step {t_step.p50:.2f} ms ({tokens / t_step.p50 * 1e3:.0f} tok/s), prefill "
-                f"{t_pre.p50:.2f} ms, peak {e.peak / 1e9 if e.peak else float('nan'):.2f} GB, loss {e.loss:.5f}")
+            hs, hp = host_step[e.prov], host_pre[e.prov]
+            writer.add(**dict(common, note=f"{common['note']}; host {hs:.3f} ms per call"), mode="train_step",
+                       time_p20_ms=t_step.p20, time_p50_ms=t_step.p50, time_p80_ms=t_step.p80,
+                       tokens_per_s=tokens / t_step.p50 * 1e3, peak_mem_bytes=e.peak)
+            writer.add(**dict(common, note=f"{common['note']}; host {hp:.3f} ms per call"), mode="prefill",
+                       time_p20_ms=t_pre.p20, time_p50_ms=t_pre.p50, time_p80_ms=t_pre.p80,
+                       tokens_per_s=tokens / t_pre.p50 * 1e3)
+            log(f"[{op}] {e.prov}: step {t_step.p50:.2f} ms ({tokens / t_step.p50 * 1e3:.0f} tok/s; host {hs:.2f} ms), "
+                f"prefill {t_pre.p50:.2f} ms (host {hp:.2f} ms), peak {e.peak / 1e9 if e.peak else float('nan'):.2f} "
+                f"GB, loss {e.loss:.5f}")
     finally:
         if any(p.startswith("ours") for p in providers):
             undo_opt_in()
@@ -327,7 +343,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--csv-name", default="e2e.csv")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--warmup-ms", type=float, default=None, help="default GPU 25, CPU 20")
-    p.add_argument("--rep-ms", type=float, default=None, help="default GPU 200, CPU 200 (split over the rounds)")
+    p.add_argument("--rep-ms", type=float, default=None, help="default GPU 600, CPU 200 (split over the rounds; "
+                   "several calls per round let the host run ahead of the device)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per model (default 3)")
     return p.parse_args(argv)
 
@@ -358,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"fused-mlp e2e: {env['device_name']} ({device}), torch {env['torch']}, kernel {env['kernel_build']}, "
         f"layers available {sorted(available)}" + (f"; not in the kernel yet: {missing}" if missing else ""))
     warmup = args.warmup_ms if args.warmup_ms is not None else (25.0 if on_gpu else 20.0)
-    rep = args.rep_ms if args.rep_ms is not None else 200.0
+    rep = args.rep_ms if args.rep_ms is not None else (600.0 if on_gpu else 200.0)
     timer = Timer(device, warmup_ms=warmup, rep_ms=rep)
     specs = []
     for name in args.models.split(","):
