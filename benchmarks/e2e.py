@@ -189,6 +189,16 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
     ids = torch.randint(0, spec.vocab, (args.batch, args.seq), generator=gen).to(device)
     torch._dynamo.reset()
     ready: list[_Ready] = []
+
+    def step_of(run: nn.Module):
+        return lambda: run(input_ids=ids, labels=ids).loss.backward()
+
+    def prefill_of(run: nn.Module):
+        def f() -> None:
+            with torch.no_grad():
+                run(input_ids=ids)
+        return f
+
     try:
         for prov in [p for p in PROVIDERS if p in providers]:
             base = dict(op=op, provider=prov, role="ours" if prov.startswith("ours") else "anchor", source="measured",
@@ -215,7 +225,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                     log(f"[{op}] {prov}: {note}")
                 run = torch.compile(model) if "compile" in prov else model
                 params = list(model.parameters())
-                run(input_ids=ids, labels=ids).loss.backward()  # warm-up / compile
+                step = step_of(run)
+                step()  # warm-up / compile
                 synchronize(device)
                 setup_s = time.monotonic() - t0
                 for p in params:
@@ -223,7 +234,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                 peak = None
                 if device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                    run(input_ids=ids, labels=ids).loss.backward()
+                    step()
                     synchronize(device)
                     peak = int(torch.cuda.max_memory_allocated()) - mem0
                 with torch.no_grad():
@@ -262,16 +273,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                     synchronize(device)
             return {n: combine_rounds(v) for n, v in per.items()}, {n: statistics.median(v) for n, v in host.items()}
 
-        def step_of(e: _Ready):
-            return lambda: e.run(input_ids=ids, labels=ids).loss.backward()
-
-        def prefill_of(e: _Ready):
-            def f() -> None:
-                with torch.no_grad():
-                    e.run(input_ids=ids)
-            return f
-
-        steps, host_step = timed_rounds({e.prov: (step_of(e), e.params) for e in ready})
+        steps, host_step = timed_rounds({e.prov: (step_of(e.run), e.params) for e in ready})
         for e in ready:
             for p in e.params:
                 p.grad = None
@@ -279,9 +281,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, writer: ResultWriter, t
                 # Prefill through the INFERENCE-mode kernelization (what an inference user gets).
                 kernelize_model(e.model, device, ["inference"], args.kernel_layers.split(","), available_layers,
                                 args.kernel_path)
-            prefill_of(e)()
+            prefill_of(e.run)()
         synchronize(device)
-        prefills, host_pre = timed_rounds({e.prov: (prefill_of(e), None) for e in ready})
+        prefills, host_pre = timed_rounds({e.prov: (prefill_of(e.run), None) for e in ready})
         eager_loss = eager_losses.get(spec.name)
         for e in ready:
             t_step, t_pre = steps[e.prov], prefills[e.prov]

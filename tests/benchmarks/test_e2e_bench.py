@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,8 @@ def test_e2e_benchmark_cpu_tiny(tmp_path):
         assert r["status"] == "ok" and r["git_rev"] == "test-rev" and r["dtype"] == "bf16", r
         p50 = float(r["time_p50_ms"])
         assert 0 < float(r["time_p20_ms"]) <= p50 <= float(r["time_p80_ms"]), r
+        host = re.search(r"; host ([0-9.]+) ms per call", r["note"])  # each call's host time (e2e-host-cost)
+        assert host and float(host.group(1)) > 0, r["note"]
         assert "2 interleaved rounds" in r["note"], r
         assert r["peak_mem_bytes"] == "", r  # CUDA only
         if prov == "ours":
