@@ -54,7 +54,9 @@
   ops.def("gated_gemm_bwd_slopes_(Tensor dy, Tensor w_down, Tensor(a!) p, Tensor(b!) q) -> ()");             \
   /* The gated MLP forward at decode sizes, one op of two GEMV-class kernels (CUDA sm_80+; kernels_src/cuda/    \
      gated_gemv.cu): x [T <= 64, H], w_gate / w_up [I, H], w_down [H_out, I], 16-bit, no biases. */             \
-  ops.def("gated_mlp_decode(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, str activation) -> Tensor")
+  ops.def("gated_mlp_decode(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, str activation) -> Tensor");   \
+  /* Linear without bias at decode sizes (gated_gemv.cu's down pass alone): x [T <= 64, K], w [N, K], 16-bit. */ \
+  ops.def("linear_decode(Tensor x, Tensor w) -> Tensor")
 
 #if defined(FUSED_MLP_STABLE_ABI)
 
@@ -92,6 +94,7 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("gated_gemm_fwd_slopes", TORCH_BOX(&gated_gemm_fwd_slopes_cuda));
   ops.impl("gated_gemm_bwd_slopes_", TORCH_BOX(&gated_gemm_bwd_slopes_cuda));
   ops.impl("gated_mlp_decode", TORCH_BOX(&gated_mlp_decode_cuda));
+  ops.impl("linear_decode", TORCH_BOX(&linear_decode_cuda));
 }
 #endif
 
@@ -148,6 +151,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("gated_gemm_fwd_slopes", c10::kCUDA, &gated_gemm_fwd_slopes_cuda);
   ops.impl("gated_gemm_bwd_slopes_", c10::kCUDA, &gated_gemm_bwd_slopes_cuda);
   ops.impl("gated_mlp_decode", c10::kCUDA, &gated_mlp_decode_cuda);
+  ops.impl("linear_decode", c10::kCUDA, &linear_decode_cuda);
 #endif
 }
 

@@ -120,4 +120,7 @@ void gated_gemm_bwd_slopes_cuda(const Tensor& dy, const Tensor& w_down, const Te
 // T <= 64, w_gate / w_up [I, H], w_down [H_out, I], one 16-bit dtype, contiguous, no biases; returns y [T, H_out].
 Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
                              StrArg activation);
+// Linear without bias at decode sizes (gated_gemv.cu, the down pass alone): y = x w^T, x [T, K] with T <= 64,
+// w [N, K], one 16-bit dtype, contiguous; returns y [T, N], rounded once from fp32 sums.
+Tensor linear_decode_cuda(const Tensor& x, const Tensor& w);
 #endif

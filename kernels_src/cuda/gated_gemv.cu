@@ -67,6 +67,7 @@ constexpr int kChunk = 32;        // k per chunk: one 16-byte load per lane and 
 constexpr int kMaxThreads = 256;  // __launch_bounds__: wr x wk <= 8 warps, up to 255 registers per thread
 constexpr int kMaxDevices = 64;
 constexpr const char* kOp = "fused_mlp: gated_mlp_decode";
+constexpr const char* kLinearOp = "fused_mlp: linear_decode";
 
 // ---- tuning table --------------------------------------------------------------------------------------------
 // Per pass and token class (NT = 1, 2, 4, 8 n8-tiles: T <= 8, 16, 32, 64). Chosen from the memory model and the
@@ -102,6 +103,15 @@ constexpr PassCfg kDownCfg[4] = {
     {2, 3, 1, 8, 2},  // T <= 16: R = 2: h from L2 at half the weight bytes (R = 1: once); U = 4 spilled (sm_90)
     {2, 4, 1, 8, 1},  // T <= 32: h at the weight bytes
     {2, 4, 1, 8, 1},  // T <= 64: h at twice the weight bytes: L2 traffic, not HBM, may bound this class
+};
+// linear_decode: the down pass alone, one CTA per row group (no k split: no workspace, no counters to zero, so no
+// memset node ahead of it), R = 1 for twice the CTAs of the down pass's R = 2 (N = 2048: 128 CTAs). Not measured yet
+// (FUSED_MLP_DECODE_TUNE's lin_wk overrides wk) -- docs/tuning-log.md#linear-decode.
+constexpr PassCfg kLinearCfg[4] = {
+    {1, 4, 1, 8, 2},  // T <= 8
+    {1, 4, 1, 8, 2},  // T <= 16
+    {1, 4, 1, 8, 1},  // T <= 32
+    {1, 4, 1, 8, 1},  // T <= 64
 };
 constexpr int kMaxSplitCtas = 8;    // down pass: ks = the CTAs resident at once / row groups, at most 8 (workspace
                                     // traffic 2 x ks x T x H_out x 4 bytes, in L2)
@@ -233,8 +243,10 @@ constexpr bool kTableRegisterCaps = false;
 constexpr bool kTableRegisterCaps = true;
 #endif
 
-// One pass: gate/up (kGateUp: M = 2 matrices, act(gate) * up stored as h) or down (M = 1, y stored).
-template <typename E, int NT, int R, int U, int MB, bool kGateUp, Act A>
+// One pass: gate/up (kGateUp: M = 2 matrices, act(gate) * up stored as h) or down (M = 1, y stored). kTrigger: the
+// down pass run alone (linear_decode) lets a dependent grid launched with PDL start at once (its own wait still
+// covers this grid's writes), as the gate/up pass does for the down pass.
+template <typename E, int NT, int R, int U, int MB, bool kGateUp, Act A, bool kTrigger = false>
 __global__ void __launch_bounds__(kMaxThreads, kTableRegisterCaps ? MB : 1) gated_gemv_kernel(const GemvArgs p) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int M = kGateUp ? 2 : 1;
@@ -252,6 +264,8 @@ __global__ void __launch_bounds__(kMaxThreads, kTableRegisterCaps ? MB : 1) gate
     pdl_launch_dependents();
     if (blockIdx.x == 0)
       for (int i = threadIdx.x; i < p.n_zero; i += blockDim.x) p.zero[i] = 0;
+  } else if constexpr (kTrigger) {
+    pdl_launch_dependents();
   }
 
   const int64_t k16 = p.k >> 3;  // row stride in 16-byte units (k % 8 == 0)
@@ -460,7 +474,7 @@ const DeviceFacts& device_facts(int dev) {
 // Run-time overrides of the table for benchmarks: FUSED_MLP_DECODE_TUNE="gu_wr=2,gu_wk=4,dn_wr=1,dn_wk=8,dn_ks=2,
 // pdl=1" (any subset; 0 or absent = the table). Read per call (a getenv; parsed only when set).
 struct Tune {
-  int gu_wr = 0, gu_wk = 0, dn_wr = 0, dn_wk = 0, dn_ks = 0;
+  int gu_wr = 0, gu_wk = 0, dn_wr = 0, dn_wk = 0, dn_ks = 0, lin_wr = 0, lin_wk = 0;
   bool pdl = kPdlDefault;
 };
 
@@ -489,8 +503,11 @@ Tune read_tune() {
     else if (key == "dn_wr") t.dn_wr = iv;
     else if (key == "dn_wk") t.dn_wk = iv;
     else if (key == "dn_ks") t.dn_ks = iv;
+    else if (key == "lin_wr") t.lin_wr = iv;
+    else if (key == "lin_wk") t.lin_wk = iv;
     else if (key == "pdl") t.pdl = iv != 0;
-    else FM_CHECK(false, "fused_mlp: FUSED_MLP_DECODE_TUNE: unknown key '", key, "' (gu_wr, gu_wk, dn_wr, dn_wk, dn_ks, pdl)");
+    else FM_CHECK(false, "fused_mlp: FUSED_MLP_DECODE_TUNE: unknown key '", key,
+                  "' (gu_wr, gu_wk, dn_wr, dn_wk, dn_ks, lin_wr, lin_wk, pdl)");
   }
   return t;
 }
@@ -588,16 +605,16 @@ void dispatch_16bit(ScalarType t, F&& f) {
 }
 
 // 2-D, x's dtype and device, row-major contiguous, 16-byte aligned.
-void check_operand(const Tensor& t, const char* name, const Tensor& x) {
-  FM_CHECK(t.is_cuda(), kOp, ": ", name, " must be a CUDA tensor, got one on ", device_str(t));
-  FM_CHECK(same_cuda_device(t, x), kOp, ": ", name, " must be on ", device_str(x), " (x's device), got ",
+void check_operand(const Tensor& t, const char* name, const Tensor& x, const char* op = kOp) {
+  FM_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", device_str(t));
+  FM_CHECK(same_cuda_device(t, x), op, ": ", name, " must be on ", device_str(x), " (x's device), got ",
            device_str(t));
-  FM_CHECK(t.dim() == 2, kOp, ": ", name, " must be 2-D, got ", t.dim(), "-D");
-  FM_CHECK(t.scalar_type() == x.scalar_type(), kOp, ": ", name, " must have x's dtype ", x.scalar_type(), ", got ",
+  FM_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got ", t.dim(), "-D");
+  FM_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ", x.scalar_type(), ", got ",
            t.scalar_type());
   FM_CHECK(t.numel() == 0 || ((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) == t.size(1))),
-           kOp, ": ", name, " must be contiguous (row-major)");
-  FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOp, ": ", name, " must be 16-byte aligned");
+           op, ": ", name, " must be contiguous (row-major)");
+  FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
 }
 
 template <typename E, int NT, Act A>
@@ -667,6 +684,30 @@ void run_decode(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const
   launch(down_kernel, dim3(dn_groups, ks), 32 * dn_wr * dn_wk, smem2, stream, pdl, a2, dev);
 }
 
+// y [T, N] = x [T, K] w^T: the down pass alone (one CTA per row group, no k split), PDL on sm_90+ so that its CTAs
+// prefetch their first weights while the previous kernel drains.
+template <typename E, int NT>
+void run_linear(const Tensor& x, const Tensor& w, Tensor& y, const Tune& tune, int dev, cudaStream_t stream) {
+  constexpr PassCfg lc = kLinearCfg[nt_index(NT)];
+  const int wr = pick(tune.lin_wr, lc.wr), wk = pick(tune.lin_wk, lc.wk);
+  FM_CHECK(wr * wk * 32 <= kMaxThreads, kLinearOp, ": FUSED_MLP_DECODE_TUNE: lin_wr x lin_wk must be at most ",
+           kMaxThreads / 32, " warps per CTA");
+  const int N = static_cast<int>(w.size(0));
+  GemvArgs a{};
+  a.w0 = static_cast<const uint4*>(w.data_ptr());
+  a.act = static_cast<const uint4*>(x.data_ptr());
+  a.out = y.data_ptr();
+  a.rows = N;
+  a.k = static_cast<int>(x.size(1));
+  a.tokens = static_cast<int>(x.size(0));
+  a.wr = wr;
+  a.wk = wk;
+  const size_t smem = static_cast<size_t>(wk - 1) * wr * lc.r * NT * 32 * sizeof(float4);
+  const bool pdl = tune.pdl && device_facts(dev).major >= 9;
+  launch(gated_gemv_kernel<E, NT, lc.r, lc.u, lc.mb, false, Act::kSilu, true>, dim3(ceil_div(N, 16 * lc.r * wr)),
+         32 * wr * wk, smem, stream, pdl, a, dev);
+}
+
 }  // namespace
 }  // namespace fused_mlp::cuda
 
@@ -717,3 +758,39 @@ Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor
   });
   return y;
 }
+
+// y = x w^T for T <= 64 tokens: x [T, K], w [N, K] (nn.Linear's weight), no bias.
+Tensor linear_decode_cuda(const Tensor& x, const Tensor& w) {
+  FM_CHECK(x.is_cuda(), kLinearOp, ": x must be a CUDA tensor, got one on ", device_str(x));
+  FM_CHECK(x.scalar_type() == kBFloat16 || x.scalar_type() == kHalf, kLinearOp,
+           ": x must be bfloat16 or float16, got ", x.scalar_type());
+  check_operand(x, "x", x, kLinearOp);
+  check_operand(w, "w", x, kLinearOp);
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  FM_CHECK(w.size(1) == K, kLinearOp, ": w must be [N, K] with K = ", K, " (x is ", fused_mlp::shape_str(x),
+           "), got ", fused_mlp::shape_str(w));
+  FM_CHECK(T <= kMaxTokens, kLinearOp, ": x has ", T, " rows (tokens); this op takes at most ", kMaxTokens,
+           " (larger T: the GEMM path)");
+  FM_CHECK(K % 8 == 0, kLinearOp, ": K must be a multiple of 8 (16-byte rows), got ", K);
+  FM_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 30), kLinearOp, ": K and N must be below 2^30");
+  const int dev = device_index(x);
+  const DeviceFacts& facts = device_facts(dev);
+  FM_CHECK(facts.major >= 8, kLinearOp, ": needs sm_80 or newer (bf16/fp16 mma.sync), this device is sm_",
+           facts.major, facts.minor);
+#ifdef FUSED_MLP_NO_ARCH
+  FM_CHECK(false, kLinearOp, ": this build has no code for sm_80 / sm_90 / sm_100 / sm_120 (gated_gemv.cu was "
+           "compiled for none of its capabilities); use the default backend");
+#endif
+  const Tune tune = read_tune();
+  DeviceGuard guard(x);
+  if (T == 0 || N == 0) return fused_mlp::empty({T, N}, x.scalar_type(), x);
+  if (K == 0) return fused_mlp::zeros({T, N}, x.scalar_type(), x);  // an empty sum
+  Tensor y = fused_mlp::empty({T, N}, x.scalar_type(), x);
+  const cudaStream_t stream = current_stream(x);
+  dispatch_16bit(x.scalar_type(), [&](auto tag) {
+    using E = decltype(tag);
+    dispatch_token_class(T, [&](auto nt) { run_linear<E, decltype(nt)::value>(x, w, y, tune, dev, stream); });
+  });
+  return y;
+}
+

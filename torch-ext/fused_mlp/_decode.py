@@ -107,3 +107,62 @@ def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
             if t.storage_offset() * t.element_size() % 16:
                 return False
     return True
+
+
+# ---- Linear (no bias) at decode sizes: ``linear_decode(x, w)`` = x [T, K] @ w[N, K]^T, the down pass alone ----------
+
+LINEAR_ENV = "FUSED_MLP_LINEAR_DECODE"
+# auto: the largest T per compute capability where the op beats the cuBLAS path; no entry: never in auto. Empty until
+# measured (docs/tuning-log.md#linear-decode): FUSED_MLP_LINEAR_DECODE=on opts in.
+LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {}
+
+_LINEAR_AVAILABLE = hasattr(ops, "linear_decode")
+
+
+@torch.library.register_fake(add_op_namespace_prefix("linear_decode"))
+def _linear_decode_fake(x, w):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.compiler.assume_constant_result
+def linear_mode() -> str:
+    m = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{LINEAR_ENV} must be one of {MODES}, got {m!r}")
+    return m
+
+
+@torch.compiler.assume_constant_result
+def _linear_token_limit(idx: int, forced: bool) -> int:
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    if forced:
+        return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
+    return LINEAR_MAX_TOKENS.get(cap, 0)
+
+
+def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
+    """Run a bias-free, activation-free inference ``linear`` through ``linear_decode``? ``x2``: the ``[M, K]`` rows,
+    ``w_kn``: ``[K, N]`` as ``_addmm_impl`` gets it (``weight.t()`` of a contiguous ``[N, K]`` weight qualifies; a
+    row-major ``[K, N]`` mat2, e.g. GPT-2's Conv1D weight, does not). Same rules as ``use_decode``: no guard under
+    torch.compile, a symbolic token count takes the GEMM path."""
+    if not (_LINEAR_AVAILABLE and x2.is_cuda) or (x2.dtype != torch.bfloat16 and x2.dtype != torch.float16):
+        return False
+    m = linear_mode()
+    if m == "off":
+        return False
+    limit = _linear_token_limit(x2.device.index if x2.device.index is not None else torch.cuda.current_device(),
+                                m == "on")
+    if not statically_known_true(x2.shape[0] <= limit):
+        return False
+    if w_kn.dtype != x2.dtype or w_kn.dim() != 2 or not x2.is_contiguous() or not w_kn.t().is_contiguous():
+        return False
+    if not statically_known_true(x2.shape[1] % 8 == 0):  # 16-byte rows
+        return False
+    if not torch.compiler.is_compiling():
+        for t in (x2, w_kn):
+            if t.storage_offset() * t.element_size() % 16:
+                return False
+    return True
+

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import EPILOGUE_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._decode import use_linear_decode as _use_linear_decode
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["addmm", "linear", "addmm_reference", "linear_reference"]
@@ -42,6 +43,8 @@ _OP_ACTIVATION = {None: "none", **{a: a for a in EPILOGUE_ACTIVATIONS if a != "n
 _fwd = ops.addmm_fwd.default
 _bwd = ops.addmm_bwd.default
 _fwd_call = getattr(_fwd, "_op", _fwd)
+# Bias-free inference at decode sizes (T <= the table's limit; opt-in until measured): the GEMV op of _decode.py.
+_linear_decode = ops.linear_decode.default if hasattr(ops, "linear_decode") else None
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -184,6 +187,10 @@ def _addmm_impl(
         x_dim = x.dim()
         if op_act is not None and x_dim >= 2 and w_kn.dim() == 2:
             try:
+                if bias is None and op_act == "none" and x.is_cuda:
+                    x2 = x if x_dim == 2 else x.flatten(0, -2)
+                    if _use_linear_decode(x2, w_kn):
+                        return _linear_decode(x2, w_kn.t()).view(*x.shape[:-1], w_kn.shape[1])
                 if x_dim == 2:
                     return _fwd_call(bias, x, w_kn, op_act, False, [x.shape[0], w_kn.shape[1]])[0]
                 return _fwd_call(bias, x.flatten(0, -2), w_kn, op_act, False, [*x.shape[:-1], w_kn.shape[1]])[0]
@@ -244,6 +251,8 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
+        if bias is None and act == "none" and _use_linear_decode(x2, w2):
+            return _linear_decode(x2, w2.t()).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Bias-free Linear at decode sizes: CUDA-graph device time of ``linear_decode`` (gated_gemv.cu's down pass alone)
+against the cuBLAS path (``F.linear``; Inductor calls the same extern mm for it) and our own GEMM path (``linear`` with
+``FUSED_MLP_LINEAR_DECODE=off``: cuBLASLt with one rounding), per token count. ``_decode.LINEAR_MAX_TOKENS`` (the
+"auto" table, empty until this has run) comes from it.
+
+    python benchmarks/linear_decode.py --quick     # T in {1, 4, 16, 64}, Llama-3.2-1B's projections (~1 min)
+    python benchmarks/linear_decode.py             # T in {1, 2, 4, ..., 64}, Llama-3.2-1B / Llama-3-8B / Gemma-2B
+
+Method (as crossover.py). Each (shape, T, provider) is captured once into a CUDA graph of 20 calls; every round
+replays each graph of a shape once, in a fresh random order, between two CUDA events; time per call = median over
+rounds / 20. Besides each projection alone, ``layer`` rows time one decoder layer's four projections in a row (q, k, v
+from x; o from the attention output), where the op's programmatic dependent launch lets a projection's weight
+prefetch overlap the previous one. ``ours_nopdl`` is the op without it (FUSED_MLP_DECODE_TUNE=pdl=0).
+
+Writes ``<results-root>/<device-slug>/linear_decode.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per call) and prints
+per shape the time per T and the ratio op / cuBLAS (below 1: the op wins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib import (  # noqa: E402
+    DTYPES,
+    ROOT,
+    ResultWriter,
+    collect_env,
+    device_slug,
+    load_kernel,
+    log,
+    max_abs_err,
+    out_mirror,
+    two_x_rule,
+)
+
+CALLS = 20
+T_QUICK = (1, 4, 16, 64)
+T_FULL = (1, 2, 4, 8, 16, 32, 64)
+# model: hidden H, q width (heads x head_dim), kv width
+MODELS = {"llama3_2_1b": (2048, 2048, 512), "llama3_8b": (4096, 4096, 1024), "gemma2b": (2048, 2048, 256)}
+ENV = "FUSED_MLP_LINEAR_DECODE"
+TUNE = "FUSED_MLP_DECODE_TUNE"
+PROVIDERS = (("ours", "on", ""), ("ours_nopdl", "on", "pdl=0"), ("ours_gemm", "off", ""), ("cublas", None, ""))
+
+
+class Graph:
+    """``fn`` captured CALLS times into one CUDA graph; ``out`` holds the last call's output."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(CALLS):
+                out = fn()
+        self.out = out
+        self.fn = fn
+        self.times: list[float] = []
+
+
+def measure(graphs: dict[Any, Graph], rounds: int) -> None:
+    keys = list(graphs)
+    for g in graphs.values():
+        g.graph.replay()
+    torch.cuda.synchronize()
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(keys)
+        evs = []
+        for k in keys:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[k].graph.replay()
+            b.record()
+            evs.append((k, a, b))
+        torch.cuda.synchronize()
+        for k, a, b in evs:
+            graphs[k].times.append(a.elapsed_time(b) / CALLS)
+
+
+def quantiles(ts: Sequence[float]) -> tuple[float, float, float]:
+    s = sorted(ts)
+    q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+    return q[1], statistics.median(s), q[7]
+
+
+def capture(fm, provider: str, mode: str | None, tune: str, fn_ours: Callable[[], Any],
+            fn_torch: Callable[[], Any]) -> Graph:
+    """The op's choice is made per call (env read in eager mode), so a graph records what was set at capture."""
+    if mode is None:
+        return Graph(fn_torch)
+    os.environ[ENV] = mode
+    if tune:
+        os.environ[TUNE] = tune
+    try:
+        return Graph(fn_ours)
+    finally:
+        os.environ.pop(ENV, None)
+        os.environ.pop(TUNE, None)
+
+
+def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int) -> None:
+    dtype = DTYPES[dtype_name]
+    h, q, kv = MODELS[model]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+
+    weights = {"q": w(q, h), "k": w(kv, h), "v": w(kv, h), "o": w(h, q)}
+    graphs: dict[tuple[str, int, str], Graph] = {}
+    checks: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        for t in ts:
+            x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
+            a = torch.randn(t, q, device="cuda", generator=g).to(dtype)
+            for name, wt in weights.items():
+                inp = a if name == "o" else x
+                checks[(name, t)] = (F.linear(inp.float(), wt.float()), F.linear(inp, wt))
+                for prov, mode, tune in PROVIDERS:
+                    graphs[(name, t, prov)] = capture(fm, prov, mode, tune, lambda i=inp, m=wt: fm.linear(i, m),
+                                                      lambda i=inp, m=wt: F.linear(i, m))
+
+            def layer(lin: Callable, x=x, a=a):
+                return (lin(x, weights["q"]), lin(x, weights["k"]), lin(x, weights["v"]), lin(a, weights["o"]))[3]
+
+            checks[("layer", t)] = checks[("o", t)]
+            for prov, mode, tune in PROVIDERS:
+                graphs[("layer", t, prov)] = capture(fm, prov, mode, tune, lambda: layer(fm.linear),
+                                                     lambda: layer(F.linear))
+    measure(graphs, rounds)
+    res: dict[tuple[str, int, str], float] = {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    for (name, t, prov), gr in graphs.items():
+        p20, p50, p80 = quantiles(gr.times)
+        ref, same = checks[(name, t)]
+        err = max_abs_err(gr.out, ref)
+        ok = two_x_rule(err, max_abs_err(same, ref), dtype)
+        ws = list(weights.values()) if name == "layer" else [weights[name]]
+        nbytes = sum(m.numel() for m in ws) * elem
+        k, n = (h, sum(m.shape[0] for m in ws)) if name == "layer" else (ws[0].shape[1], ws[0].shape[0])
+        writer.add(op=f"linear_decode_{model}_{name}", provider=prov, role="anchor" if prov == "cublas" else "ours",
+                   source="linear_decode.py", mode="fwd_graph", dtype=dtype_name, shape=f"T={t},K={k},N={n}", T=t,
+                   K=k, N=n, time_p20_ms=p20, time_p50_ms=p50, time_p80_ms=p80, bytes=nbytes,
+                   gbps=nbytes / p50 / 1e6, max_err=err, verified=ok, status="ok" if ok else "error",
+                   note=f"CUDA graph of {CALLS} calls, {len(gr.times)} interleaved rounds"
+                        + ("; q, k, v, o in a row" if name == "layer" else ""))
+        res[(name, t, prov)] = p50 * 1e3
+    writer.checkpoint()
+    for name in list(weights) + ["layer"]:
+        cells = []
+        for t in ts:
+            ours, ref = res[(name, t, "ours")], res[(name, t, "cublas")]
+            cells.append(f"T={t} {ours:.2f}/{ref:.2f} us ({ours / ref:.2f})")
+        log(f"[{model} {name}] ours/cublas: " + "  ".join(cells))
+    del graphs
+    torch.cuda.empty_cache()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="T in {1, 4, 16, 64}, Llama-3.2-1B only (~1 min)")
+    p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16 (default bf16)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 15 quick, 30 full)")
+    p.add_argument("--kernel", default=str(ROOT), help="checkout path or Hub repo id (default: this checkout)")
+    p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--csv-name", default="linear_decode.csv")
+    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        log("linear_decode.py measures CUDA-graph device time: it needs a CUDA GPU")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ts = T_QUICK if args.quick else T_FULL
+    models = [m.strip() for m in args.models.split(",")] if args.models else \
+        (["llama3_2_1b"] if args.quick else list(MODELS))
+    rounds = args.rounds or (15 if args.quick else 30)
+    fm = load_kernel(args.kernel)
+    env = collect_env("cuda", fm)
+    slug = device_slug(env)
+    out = Path(args.results_root) / slug / args.csv_name
+    writer = ResultWriter(out, env, merge=not args.fresh, mirror=out_mirror(slug, args.csv_name))
+    log(f"fused-mlp linear_decode: {env['device_name']}, torch {env['torch']}, kernel {env['kernel_build']}; "
+        f"writing {out}; {rounds} rounds of CUDA graphs of {CALLS} calls")
+    for dtype_name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        for model in models:
+            run_model(fm, writer, model, ts, dtype_name, rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""Bias-free Linear at decode sizes (kernels_src/cuda/gated_gemv.cu, op ``linear_decode``: the gated MLP's down pass
+alone; dispatch in ``_decode.py`` / ``addmm.py``): the op against the fp32 reference (2x rule) at every token class and
+its edges, model shapes (attention projections, lm_head-like N) and awkward ones (K tails, K below one chunk, N below
+one row tile); bf16 and fp16; the tuning overrides and PDL (same bits); NaN/Inf; opcheck; argument errors; and which
+calls of ``linear`` / the ``Linear`` layer take it (opt-in ``FUSED_MLP_LINEAR_DECODE=on`` until measured; biases,
+activations, training, Conv1D's row-major weight, the CPU and symbolic token counts never).
+
+The kernel needs an sm_80+ GPU: those tests skip elsewhere (CI has no GPU); the dispatch tests that need no kernel run
+on the CPU too."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _utils import assert_2x_rule
+from conftest import CUDA
+
+SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
+needs_gpu = pytest.mark.skipif(not SM80, reason="the decode GEMV kernels need an sm_80+ GPU (GPU machine only)")
+DTYPES = [torch.bfloat16, torch.float16]
+TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64]
+# (K, N): Llama-3.2-1B q/o and k/v projections, a fused qkv, Llama-3-8B q, a down projection (K = 8192); a K tail
+# (8 past a multiple of 32) with a row tail (N 8 past a multiple of 16); K below one chunk; N below one row tile.
+SHAPES = [(2048, 2048), (2048, 512), (2048, 3072), (4096, 4096), (8192, 2048), (2056, 1032), (8, 8), (24, 5), (136, 40)]
+ENV = "FUSED_MLP_LINEAR_DECODE"
+TUNE = "FUSED_MLP_DECODE_TUNE"
+
+
+@functools.lru_cache(maxsize=2)
+def weight(k: int, n: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(k * 7919 + n)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    return w, w.float()
+
+
+def tokens(t: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(t, k, device=device, generator=g).to(dtype)
+
+
+def shape_id(s) -> str:
+    return "x".join(map(str, s))
+
+
+# ---- the op -------------------------------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_op_matches_reference_at_every_token_count(fm, monkeypatch, shape, dtype):
+    monkeypatch.delenv(TUNE, raising=False)
+    k, n = shape
+    w, w32 = weight(k, n, dtype)
+    x = tokens(64, k, dtype, seed=k + n)
+    r32, same = F.linear(x.float(), w32), F.linear(x, w)
+    for t in TOKENS:
+        y = fm._ops.ops.linear_decode(x[:t], w)
+        assert y.shape == (t, n) and y.dtype == dtype and y.is_contiguous()
+        assert_2x_rule(y, r32[:t], same[:t], name=f"y (T={t})")
+    again = fm._ops.ops.linear_decode(x[:17], w)
+    assert torch.equal(again, fm._ops.ops.linear_decode(x[:17], w)), "not bitwise reproducible"
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(2056, 1032), (136, 40)], ids=shape_id)
+def test_tuning_overrides_and_pdl(fm, monkeypatch, shape):
+    k, n = shape
+    w, w32 = weight(k, n, torch.bfloat16)
+    x = tokens(64, k, torch.bfloat16, seed=5)
+    r32, same = F.linear(x.float(), w32), F.linear(x, w)
+    for t in (1, 9, 17, 33, 64):
+        monkeypatch.delenv(TUNE, raising=False)
+        base = fm._ops.ops.linear_decode(x[:t], w)
+        monkeypatch.setenv(TUNE, "pdl=0")
+        assert torch.equal(fm._ops.ops.linear_decode(x[:t], w), base), f"PDL changed y (T={t})"
+        for tune in ("lin_wk=1", "lin_wr=2,lin_wk=4", "lin_wr=8,lin_wk=1", "lin_wk=3"):
+            monkeypatch.setenv(TUNE, tune)
+            y = fm._ops.ops.linear_decode(x[:t], w)
+            assert_2x_rule(y, r32[:t], same[:t], name=f"y (T={t}, {tune})")
+    monkeypatch.setenv(TUNE, "lin_wr=4,lin_wk=4")
+    with pytest.raises(RuntimeError, match="at most"):
+        fm._ops.ops.linear_decode(x[:1], w)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_and_inf_propagate(fm, monkeypatch, dtype):
+    """A NaN token gives a NaN row; an Inf in weight row 3 gives +-Inf (or NaN) in output column 3, as the fp32
+    reference does."""
+    monkeypatch.delenv(TUNE, raising=False)
+    w, _ = weight(136, 40, dtype)
+    w = w.clone()
+    w[3, 7] = float("inf")
+    x = tokens(5, 136, dtype, seed=1)
+    x[2, 11] = float("nan")
+    y = fm._ops.ops.linear_decode(x, w)
+    ref = F.linear(x.float(), w.float())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
+@needs_gpu
+def test_empty_and_degenerate_sizes(fm):
+    w, _ = weight(136, 40, torch.bfloat16)
+    assert fm._ops.ops.linear_decode(tokens(0, 136, torch.bfloat16), w).shape == (0, 40)
+    assert fm._ops.ops.linear_decode(tokens(3, 136, torch.bfloat16), w[:0]).shape == (3, 0)
+    z = fm._ops.ops.linear_decode(tokens(3, 0, torch.bfloat16), torch.empty(40, 0, device="cuda",
+                                                                               dtype=torch.bfloat16))
+    assert z.shape == (3, 40) and not z.any()
+
+
+@needs_gpu
+def test_op_checks_its_arguments(fm):
+    op = fm._ops.ops.linear_decode
+    w, _ = weight(136, 40, torch.bfloat16)
+    x = tokens(3, 136, torch.bfloat16)
+    cases = [((x.float(), w.float()), "bfloat16 or float16"), ((x, w.half()), "dtype"),
+             ((x, w[:, :128]), "contiguous"), ((x[:, :128].contiguous(), w), "w must be"),
+             ((tokens(65, 136, torch.bfloat16), w), "at most 64"), ((x[:, :132].contiguous(), w[:, :132].contiguous()),
+                                                                    "multiple of 8"),
+             ((x.cpu(), w), "CUDA"), ((x, w.t()), "contiguous")]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            op(*args)
+
+
+@needs_gpu
+def test_opcheck(fm):
+    w, _ = weight(136, 40, torch.bfloat16)
+    for t in (1, 13, 40):
+        torch.library.opcheck(fm._ops.ops.linear_decode, (tokens(t, 136, torch.bfloat16), w))
+
+
+# ---- linear / Linear through it ------------------------------------------------------------------------------------
+
+
+def spy(fm, monkeypatch) -> list[str]:
+    """Records which of linear's two eager inference ops run (addmm.py looks both up at call time)."""
+    called: list[str] = []
+    mod = sys.modules[fm.linear.__module__]
+    real_dec, real_fwd = mod._linear_decode, mod._fwd_call
+    monkeypatch.setattr(mod, "_linear_decode", lambda *a: (called.append("linear_decode"), real_dec(*a))[1])
+    monkeypatch.setattr(mod, "_fwd_call", lambda *a: (called.append("addmm_fwd"), real_fwd(*a))[1])
+    return called
+
+
+@needs_gpu
+def test_linear_takes_the_op_only_where_it_applies(fm, monkeypatch):
+    monkeypatch.setenv(ENV, "on")
+    monkeypatch.delenv(TUNE, raising=False)
+    w, w32 = weight(2056, 1032, torch.bfloat16)
+    x = tokens(12, 2056, torch.bfloat16, seed=3).view(2, 6, 2056)
+    called = spy(fm, monkeypatch)
+    with torch.no_grad():
+        y = fm.linear(x, w)
+        layer = torch.nn.Linear(2056, 1032, bias=False, device="cuda", dtype=torch.bfloat16)
+        layer.weight.copy_(w)
+        y_layer = fm.layers.Linear.forward(layer, x)
+    assert called == ["linear_decode", "linear_decode"], called
+    assert y.shape == (2, 6, 1032) and torch.equal(y, y_layer)
+    assert torch.equal(y, fm._ops.ops.linear_decode(x.view(12, 2056), w).view(2, 6, 1032))
+    assert_2x_rule(y, F.linear(x.float(), w32), F.linear(x, w), name="y")
+    # what keeps the GEMM path: a bias, an activation, a Conv1D-style row-major mat2, more than 64 tokens, training,
+    # the off switch
+    bias = torch.zeros(1032, device="cuda", dtype=torch.bfloat16)
+    called.clear()
+    with torch.no_grad():
+        fm.linear(x, w, bias)
+        fm.linear(x, w, activation="gelu_tanh")
+        fm.addmm(None, x, w.t().contiguous())
+        fm.linear(tokens(65, 2056, torch.bfloat16), w)
+    fm.linear(x.detach().requires_grad_(), w)
+    monkeypatch.setenv(ENV, "off")
+    with torch.no_grad():
+        fm.linear(x, w)
+    assert "linear_decode" not in called, called
+
+
+@needs_gpu
+def test_linear_under_compile(fm, monkeypatch):
+    """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit; a symbolic T
+    traces the GEMM path without a guard on T."""
+    monkeypatch.setenv(ENV, "on")
+    monkeypatch.delenv(TUNE, raising=False)
+    w, _ = weight(136, 40, torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    def f(a):
+        return fm.linear(a, w)
+
+    x = tokens(6, 136, torch.bfloat16).view(2, 3, 136)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = f(x)
+        out = torch.compile(f, fullgraph=True, dynamic=False, backend=backend)(x)
+    assert len(graphs) == 1 and "linear_decode" in graphs[0], graphs
+    assert torch.equal(out, eager)
+    torch._dynamo.reset()
+    graphs.clear()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for t in (4, 9, 70):
+            assert compiled(tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)).shape == (2, t, 40)
+    assert len(graphs) == 1 and "linear_decode" not in graphs[0], graphs
+    torch._dynamo.reset()
+
+
+# ---- dispatch without a kernel -------------------------------------------------------------------------------------
+
+
+def test_schema_is_registered_in_every_build(fm):
+    assert hasattr(fm._ops.ops, "linear_decode")
+
+
+def test_mode_is_checked(fm, monkeypatch):
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(ValueError, match=ENV):
+        fm._decode.linear_mode()
+    for m in ("auto", "on", "off", " ON "):
+        monkeypatch.setenv(ENV, m)
+        assert fm._decode.linear_mode() == m.strip().lower()
+    monkeypatch.delenv(ENV)
+    assert fm._decode.linear_mode() == "auto"
+
+
+def test_auto_never_takes_the_op_until_measured(fm):
+    """No capability has an auto entry yet: the op is opt-in (docs/tuning-log.md#linear-decode)."""
+    assert fm._decode.LINEAR_MAX_TOKENS == {}
+
+
+def test_cpu_tensors_never_take_the_op(fm, monkeypatch):
+    monkeypatch.setenv(ENV, "on")
+    x = tokens(3, 64, torch.bfloat16, device="cpu")
+    w = tokens(16, 64, torch.bfloat16, seed=1, device="cpu")
+    assert not fm._decode.use_linear_decode(x, w.t())
+    with torch.no_grad():
+        y = fm.linear(x, w)
+    assert torch.equal(y, fm.linear(x, w, None))
+    assert_2x_rule(y, F.linear(x.float(), w.float()), F.linear(x, w), name="y")
