@@ -150,7 +150,7 @@ def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
     if not (_LINEAR_AVAILABLE and x2.is_cuda) or (x2.dtype != torch.bfloat16 and x2.dtype != torch.float16):
         return False
     m = linear_mode()
-    if m == "off":
+    if m == "off" or (m == "auto" and not LINEAR_MAX_TOKENS):  # (decode calls this per projection per token)
         return False
     limit = _linear_token_limit(x2.device.index if x2.device.index is not None else torch.cuda.current_device(),
                                 m == "on")
