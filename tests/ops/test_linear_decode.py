@@ -2,7 +2,7 @@
 alone; dispatch in ``_decode.py`` / ``addmm.py``): the op against the fp32 reference (2x rule) at every token class and
 its edges, model shapes (attention projections, lm_head-like N) and awkward ones (K tails, K below one chunk, N below
 one row tile); bf16 and fp16; the tuning overrides and PDL (same bits); NaN/Inf; opcheck; argument errors; and which
-calls of ``linear`` / the ``Linear`` layer take it (opt-in ``FUSED_MLP_LINEAR_DECODE=on`` until measured; biases,
+calls of ``linear`` / the ``Linear`` layer take it (auto: T and N within the measured table; biases,
 activations, training, Conv1D's row-major weight, the CPU and symbolic token counts never).
 
 The kernel needs an sm_80+ GPU: those tests skip elsewhere (CI has no GPU); the dispatch tests that need no kernel run
@@ -232,9 +232,29 @@ def test_mode_is_checked(fm, monkeypatch):
     assert fm._decode.linear_mode() == "auto"
 
 
-def test_auto_never_takes_the_op_until_measured(fm):
-    """No capability has an auto entry yet: the op is opt-in (docs/tuning-log.md#linear-decode)."""
-    assert fm._decode.LINEAR_MAX_TOKENS == {}
+def test_auto_table_stays_within_the_kernel(fm):
+    d = fm._decode
+    assert all(1 <= t <= d.KERNEL_MAX_TOKENS for t in d.LINEAR_MAX_TOKENS.values()), d.LINEAR_MAX_TOKENS
+    assert d.LINEAR_AUTO_MAX_N >= 4096  # a Llama-3-8B q projection
+
+
+@needs_gpu
+def test_auto_follows_the_measured_table(fm, monkeypatch):
+    """auto: T up to the capability's entry (none: never) and N up to LINEAR_AUTO_MAX_N; "on" lifts the N cap."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(TUNE, raising=False)
+    d = fm._decode
+    limit = d.LINEAR_MAX_TOKENS.get(torch.cuda.get_device_capability(), 0)
+    w, _ = weight(2048, 512, torch.bfloat16)
+    for t in sorted({1, max(limit, 1), limit + 1}):
+        assert d.use_linear_decode(tokens(t, 2048, torch.bfloat16), w.t()) == (t <= limit), (t, limit)
+    wide = torch.zeros(d.LINEAR_AUTO_MAX_N + 16, 64, device="cuda", dtype=torch.bfloat16)
+    x = tokens(1, 64, torch.bfloat16)
+    assert not d.use_linear_decode(x, wide.t())
+    monkeypatch.setenv(ENV, "on")
+    assert d.use_linear_decode(x, wide.t())
+    with torch.no_grad():
+        assert torch.equal(fm.linear(x, wide), torch.zeros(1, wide.shape[0], device="cuda", dtype=torch.bfloat16))
 
 
 def test_cpu_tensors_never_take_the_op(fm, monkeypatch):

@@ -112,9 +112,10 @@ def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
 # ---- Linear (no bias) at decode sizes: ``linear_decode(x, w)`` = x [T, K] @ w[N, K]^T, the down pass alone ----------
 
 LINEAR_ENV = "FUSED_MLP_LINEAR_DECODE"
-# auto: the largest T per compute capability where the op beats the cuBLAS path; no entry: never in auto. Empty until
-# measured (docs/tuning-log.md#linear-decode): FUSED_MLP_LINEAR_DECODE=on opts in.
-LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {}
+# auto: the largest T per compute capability where a decoder layer's q/k/v/o projections beat the cuBLAS path, and the
+# largest N measured there (an lm_head's N stays on cuBLAS); no entry: never in auto -- docs/tuning-log.md#linear-decode
+LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
+LINEAR_AUTO_MAX_N = 16384
 
 _LINEAR_AVAILABLE = hasattr(ops, "linear_decode")
 
@@ -157,6 +158,8 @@ def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
     if not statically_known_true(x2.shape[0] <= limit):
         return False
     if w_kn.dtype != x2.dtype or w_kn.dim() != 2 or not x2.is_contiguous() or not w_kn.t().is_contiguous():
+        return False
+    if m == "auto" and w_kn.shape[1] > LINEAR_AUTO_MAX_N:
         return False
     if not statically_known_true(x2.shape[1] % 8 == 0):  # 16-byte rows
         return False

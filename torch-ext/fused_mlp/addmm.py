@@ -43,7 +43,7 @@ _OP_ACTIVATION = {None: "none", **{a: a for a in EPILOGUE_ACTIVATIONS if a != "n
 _fwd = ops.addmm_fwd.default
 _bwd = ops.addmm_bwd.default
 _fwd_call = getattr(_fwd, "_op", _fwd)
-# Bias-free inference at decode sizes (T <= the table's limit; opt-in until measured): the GEMV op of _decode.py.
+# Bias-free inference at decode sizes (T and N within _decode.py's measured table): the GEMV op linear_decode.
 _linear_decode = ops.linear_decode.default if hasattr(ops, "linear_decode") else None
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
