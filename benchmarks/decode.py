@@ -14,9 +14,9 @@ Models (configs built in code, random weights, no download; bf16 on CUDA): Llama
 heads of 256, vocab 256000), Qwen3-1.7B (hidden 2048, SwiGLU 6144, 28 layers, 16/8 heads of 128, q/k norms, vocab
 151936). ``--quick`` builds 2-layer fp32 versions (hidden 64) of each. Kernelized the way a user does it:
 ``kernels.kernelize(model, mode=Mode.INFERENCE [| Mode.TORCH_COMPILE for the compiled cell], device=...)`` with
-this checkout's ``RMSNorm``, ``GemmaRMSNorm`` and ``GeGLUMLP`` through ``LocalLayerRepository``; the classes
-transformers does not decorate (the Gemma norm, the three MLPs) are opted in with
-``replace_kernel_forward_from_hub`` and untagged afterwards.
+this checkout's ``RMSNorm``, ``GemmaRMSNorm``, ``GeGLUMLP`` and ``Linear`` (inference: bias-free projections at
+T <= 16 take the decode GEMV) through ``LocalLayerRepository``; the classes transformers does not decorate (the Gemma
+norm, the three MLPs, ``nn.Linear``) are opted in with ``replace_kernel_forward_from_hub`` and untagged afterwards.
 
 Method:
 * ``generate(ids, attention_mask, max_new_tokens=n, do_sample=False)`` on a random ``prompt``-token prompt of
@@ -91,7 +91,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 PROVIDERS = ("eager", "ours")
 CACHES = ("static", "dynamic")  # static first: the compiled cells carry the targets and the compile cost
-KERNEL_LAYERS = ("RMSNorm", "GemmaRMSNorm", "GeGLUMLP")
+KERNEL_LAYERS = ("RMSNorm", "GemmaRMSNorm", "GeGLUMLP", "Linear")
 COLUMNS = [
     *ENV_COLUMNS, "op", "model", "mode", "cache", "compiled", "batch", "provider", "role", "source", "shape", "dtype",
     "layers", "hidden", "intermediate", "vocab", "prompt_len", "new_tokens", "rounds", "compile_mode",
@@ -174,7 +174,7 @@ def _opt_in_classes() -> list[tuple[type, str]]:
     from transformers.models.qwen3 import modeling_qwen3
 
     return [(modeling_gemma.GemmaRMSNorm, "GemmaRMSNorm"), (modeling_gemma.GemmaMLP, "GeGLUMLP"),
-            (modeling_llama.LlamaMLP, "GeGLUMLP"), (modeling_qwen3.Qwen3MLP, "GeGLUMLP")]
+            (modeling_llama.LlamaMLP, "GeGLUMLP"), (modeling_qwen3.Qwen3MLP, "GeGLUMLP"), (nn.Linear, "Linear")]
 
 
 def kernelized(model: nn.Module, device: str, compiled: bool, layers: Sequence[str], repo: Path) -> nn.Module:

@@ -9,9 +9,9 @@ against the cuBLAS path (``F.linear``; Inductor calls the same extern mm for it)
 
 Method (as crossover.py). Each (shape, T, provider) is captured once into a CUDA graph of 20 calls; every round
 replays each graph of a shape once, in a fresh random order, between two CUDA events; time per call = median over
-rounds / 20. Besides each projection alone, ``layer`` rows time one decoder layer's four projections in a row (q, k, v
-from x; o from the attention output), where the op's programmatic dependent launch lets a projection's weight
-prefetch overlap the previous one. ``ours_nopdl`` is the op without it (FUSED_MLP_DECODE_TUNE=pdl=0).
+rounds / 20. Besides each projection alone (q, k, v, o and the lm_head), ``layer`` rows time one decoder layer's four
+projections in a row (q, k, v from x; o from the attention output), where the op's programmatic dependent launch lets
+a projection's weight prefetch overlap the previous one. ``ours_nopdl`` is the op without it (FUSED_MLP_DECODE_TUNE=pdl=0).
 
 Writes ``<results-root>/<device-slug>/linear_decode.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per call) and prints
 per shape the time per T and the ratio op / cuBLAS (below 1: the op wins).
@@ -49,8 +49,9 @@ from bench_lib import (  # noqa: E402
 CALLS = 20
 T_QUICK = (1, 4, 16, 64)
 T_FULL = (1, 2, 4, 8, 16, 32, 64)
-# model: hidden H, q width (heads x head_dim), kv width
-MODELS = {"llama3_2_1b": (2048, 2048, 512), "llama3_8b": (4096, 4096, 1024), "gemma2b": (2048, 2048, 256)}
+# model: hidden H, q width (heads x head_dim), kv width, vocabulary (the lm_head's N)
+MODELS = {"llama3_2_1b": (2048, 2048, 512, 128256), "llama3_8b": (4096, 4096, 1024, 128256),
+          "gemma2b": (2048, 2048, 256, 256000)}
 ENV = "FUSED_MLP_LINEAR_DECODE"
 TUNE = "FUSED_MLP_DECODE_TUNE"
 PROVIDERS = (("ours", "on", ""), ("ours_nopdl", "on", "pdl=0"), ("ours_gemm", "off", ""), ("cublas", None, ""))
@@ -119,13 +120,14 @@ def capture(fm, provider: str, mode: str | None, tune: str, fn_ours: Callable[[]
 
 def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int) -> None:
     dtype = DTYPES[dtype_name]
-    h, q, kv = MODELS[model]
+    h, q, kv, vocab = MODELS[model]
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def w(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
 
-    weights = {"q": w(q, h), "k": w(kv, h), "v": w(kv, h), "o": w(h, q)}
+    weights = {"q": w(q, h), "k": w(kv, h), "v": w(kv, h), "o": w(h, q), "lm_head": w(vocab, h)}
+    proj = ("q", "k", "v", "o")
     graphs: dict[tuple[str, int, str], Graph] = {}
     checks: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
@@ -154,7 +156,7 @@ def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_nam
         ref, same = checks[(name, t)]
         err = max_abs_err(gr.out, ref)
         ok = two_x_rule(err, max_abs_err(same, ref), dtype)
-        ws = list(weights.values()) if name == "layer" else [weights[name]]
+        ws = [weights[p] for p in proj] if name == "layer" else [weights[name]]
         nbytes = sum(m.numel() for m in ws) * elem
         k, n = (h, sum(m.shape[0] for m in ws)) if name == "layer" else (ws[0].shape[1], ws[0].shape[0])
         writer.add(op=f"linear_decode_{model}_{name}", provider=prov, role="anchor" if prov == "cublas" else "ours",
