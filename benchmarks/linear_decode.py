@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Bias-free Linear at decode sizes: CUDA-graph device time of ``linear_decode`` (gated_gemv.cu's down pass alone)
 against the cuBLAS path (``F.linear``; Inductor calls the same extern mm for it) and our own GEMM path (``linear`` with
-``FUSED_MLP_LINEAR_DECODE=off``: cuBLASLt with one rounding), per token count. ``_decode.LINEAR_MAX_TOKENS`` (the
-"auto" table, empty until this has run) comes from it.
+``FUSED_MLP_LINEAR_DECODE=off``: cuBLASLt with one rounding), per token count. ``_decode.LINEAR_MAX_TOKENS`` and
+``LINEAR_AUTO_MAX_N`` (the "auto" table) come from it: docs/tuning-log.md#linear-decode.
 
     python benchmarks/linear_decode.py --quick     # T in {1, 4, 16, 64}, Llama-3.2-1B's projections (~1 min)
     python benchmarks/linear_decode.py             # T in {1, 2, 4, ..., 64}, Llama-3.2-1B / Llama-3-8B / Gemma-2B
@@ -13,8 +13,9 @@ rounds / 20. Besides each projection alone (q, k, v, o and the lm_head), ``layer
 projections in a row (q, k, v from x; o from the attention output), where the op's programmatic dependent launch lets
 a projection's weight prefetch overlap the previous one. ``ours_nopdl`` is the op without it (FUSED_MLP_DECODE_TUNE=pdl=0).
 
-Writes ``<results-root>/<device-slug>/linear_decode.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per call) and prints
-per shape the time per T and the ratio op / cuBLAS (below 1: the op wins).
+Writes ``<results-root>/<device-slug>/linear_decode.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per call) and
+``linear_decode.png`` next to it (plot.py), and prints per shape the time per T and the ratio op / cuBLAS (below 1:
+the op wins).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from bench_lib import (  # noqa: E402
     log,
     max_abs_err,
     out_mirror,
+    read_rows,
     two_x_rule,
 )
 
@@ -187,6 +189,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--csv-name", default="linear_decode.csv")
     p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
+    p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
 
@@ -210,6 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype_name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         for model in models:
             run_model(fm, writer, model, ts, dtype_name, rounds)
+    if not args.no_plot:
+        try:
+            from plot import plot_linear_decode
+
+            path = plot_linear_decode(read_rows(out), out.parent)
+            if path:
+                log(f"wrote {path}")
+        except ImportError as e:  # matplotlib missing: the CSV is the result
+            log(f"no plot: {e}")
     return 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plots from the benchmark CSVs: per (op, mode, dtype), throughput vs shape for every provider, the ceiling measured
 in the same run as a dashed line and recorded anchors as dotted lines; below it, ours' speedup over each anchor as
-bars. The e2e CSV gets time and peak-memory bars per provider; decode.csv ms per token per model, batch and cache.
+bars. The e2e CSV gets time and peak-memory bars per provider; decode.csv ms per token per model, batch and cache;
+linear_decode.csv time per call against T per model.
 
     python benchmarks/plot.py benchmarks/results/nvidia-h200/sweep.csv         # PNGs next to the CSV
     python benchmarks/plot.py <csv> --out-dir <dir> --ops rms_norm,geglu_mlp
@@ -32,6 +33,9 @@ STYLE = {  # provider -> (color, linestyle, marker)
     "torch._addmm_activation": ("#ff7f0e", "-", "X"),
     "mm only": ("#17becf", "--", "x"),
     "ours+torch.compile": ("#e377c2", "-", "*"),
+    "ours_nopdl": ("#d62728", ":", "o"),  # linear_decode.py: the op without PDL, our GEMM path, cuBLAS
+    "ours_gemm": ("#ff7f0e", "--", "s"),
+    "cublas": ("#7f7f7f", "-", "s"),
 }
 
 
@@ -203,6 +207,56 @@ def plot_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
     return path
 
 
+def plot_linear_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
+    """``linear_decode.csv`` (benchmarks/linear_decode.py): per model, time per call against T for a decoder layer's
+    four projections in a row and for the lm_head, every provider; the op / cuBLAS ratio written at each T."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("op", "").startswith("linear_decode_")
+          and fnum(r.get("time_p50_ms"))]
+    models = sorted({r["op"][len("linear_decode_"):].rsplit("_", 1)[0] for r in ok if r["op"].endswith("_layer")})
+    if not models:
+        return None
+    parts = ("layer", "lm_head")
+    fig, axes = plt.subplots(len(models), len(parts), figsize=(11, 3.4 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        for col, part in enumerate(parts):
+            ax = axes[row, col]
+            sub = [r for r in ok if r["op"] == f"linear_decode_{model}_{part}"]
+            val = {(r["provider"], int(r["T"])): fnum(r["time_p50_ms"]) * 1e3 for r in sub}
+            ts = sorted({t for _, t in val})
+            for prov in sorted({p for p, _ in val}, key=lambda p: (p != "ours", p)):
+                pts = [(t, val[(prov, t)]) for t in ts if (prov, t) in val]
+                color, ls, marker = _style(prov)
+                ax.plot([t for t, _ in pts], [v for _, v in pts], color=color, linestyle=ls, marker=marker,
+                        label=prov)
+            for t in ts:
+                o, c = val.get(("ours", t)), val.get(("cublas", t))
+                if o and c:
+                    ax.annotate(f"{o / c:.2f}", (t, o), ha="center", va="bottom", fontsize=7,
+                                color="#2ca02c" if o <= c else "#d62728")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ts)
+            ax.set_xticklabels([str(t) for t in ts])
+            ax.set_xlabel("tokens T")
+            ax.set_ylabel("us per call (CUDA graph, median)")
+            shape = sub[0]["shape"].split(",", 1)[1] if sub else ""
+            ax.set_title(f"{model} {'q, k, v, o in a row' if part == 'layer' else 'lm_head'} ({shape})", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left")
+    first = ok[0]
+    fig.suptitle(f"bias-free Linear at decode sizes: linear_decode vs cuBLAS (ratio ours / cublas; < 1 is faster) · "
+                 f"{first.get('device_name')}, {first.get('dtype')}", fontsize=10)
+    fig.tight_layout()
+    path = out / "linear_decode.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", type=Path)
@@ -221,6 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if rows and "ms_per_token" in rows[0]:  # benchmarks/decode.py's CSV
             path = plot_decode(rows, out)
+            if path:
+                print(f"wrote {path}")
+            continue
+        if rows and all(r.get("source") == "linear_decode.py" for r in rows):  # benchmarks/linear_decode.py's CSV
+            path = plot_linear_decode(rows, out)
             if path:
                 print(f"wrote {path}")
             continue
