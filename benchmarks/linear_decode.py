@@ -110,14 +110,20 @@ def capture(fm, provider: str, mode: str | None, tune: str, fn_ours: Callable[[]
     """The op's choice is made per call (env read in eager mode), so a graph records what was set at capture."""
     if mode is None:
         return Graph(fn_torch)
+    saved = {k: os.environ.get(k) for k in (ENV, TUNE)}
     os.environ[ENV] = mode
     if tune:
         os.environ[TUNE] = tune
+    else:
+        os.environ.pop(TUNE, None)
     try:
         return Graph(fn_ours)
     finally:
-        os.environ.pop(ENV, None)
-        os.environ.pop(TUNE, None)
+        for k, v in saved.items():  # the caller's settings back
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int) -> None:
@@ -160,6 +166,7 @@ def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_nam
         ok = two_x_rule(err, max_abs_err(same, ref), dtype)
         ws = [weights[p] for p in proj] if name == "layer" else [weights[name]]
         nbytes = sum(m.numel() for m in ws) * elem
+        # layer rows: K of q, k and v (o's K is the q width; equal for every model here), N summed over the four
         k, n = (h, sum(m.shape[0] for m in ws)) if name == "layer" else (ws[0].shape[1], ws[0].shape[0])
         writer.add(op=f"linear_decode_{model}_{name}", provider=prov, role="anchor" if prov == "cublas" else "ours",
                    source="linear_decode.py", mode="fwd_graph", dtype=dtype_name, shape=f"T={t},K={k},N={n}", T=t,
