@@ -56,7 +56,12 @@
      gated_gemv.cu): x [T <= 64, H], w_gate / w_up [I, H], w_down [H_out, I], 16-bit, no biases. */             \
   ops.def("gated_mlp_decode(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, str activation) -> Tensor");   \
   /* Linear without bias at decode sizes (gated_gemv.cu's down pass alone): x [T <= 64, K], w [N, K], 16-bit. */ \
-  ops.def("linear_decode(Tensor x, Tensor w) -> Tensor")
+  ops.def("linear_decode(Tensor x, Tensor w) -> Tensor");                                                       \
+  /* Either of the two above or the GEMM path, chosen by T at run time (T <= max_tokens: the decode kernels):     \
+     what a torch.compile graph with a symbolic token count calls (_decode.py). */                              \
+  ops.def("gated_mlp_auto(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, str activation, int max_tokens) " \
+          "-> Tensor");                                                                                          \
+  ops.def("linear_auto(Tensor x, Tensor w, int max_tokens) -> Tensor")
 
 #if defined(FUSED_MLP_STABLE_ABI)
 
@@ -95,6 +100,8 @@ STABLE_TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("gated_gemm_bwd_slopes_", TORCH_BOX(&gated_gemm_bwd_slopes_cuda));
   ops.impl("gated_mlp_decode", TORCH_BOX(&gated_mlp_decode_cuda));
   ops.impl("linear_decode", TORCH_BOX(&linear_decode_cuda));
+  ops.impl("gated_mlp_auto", TORCH_BOX(&gated_mlp_auto_cuda));
+  ops.impl("linear_auto", TORCH_BOX(&linear_auto_cuda));
 }
 #endif
 
@@ -152,6 +159,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("gated_gemm_bwd_slopes_", c10::kCUDA, &gated_gemm_bwd_slopes_cuda);
   ops.impl("gated_mlp_decode", c10::kCUDA, &gated_mlp_decode_cuda);
   ops.impl("linear_decode", c10::kCUDA, &linear_decode_cuda);
+  ops.impl("gated_mlp_auto", c10::kCUDA, &gated_mlp_auto_cuda);
+  ops.impl("linear_auto", c10::kCUDA, &linear_auto_cuda);
 #endif
 }
 

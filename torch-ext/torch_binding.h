@@ -123,4 +123,12 @@ Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor
 // Linear without bias at decode sizes (gated_gemv.cu, the down pass alone): y = x w^T, x [T, K] with T <= 64,
 // w [N, K], one 16-bit dtype, contiguous; returns y [T, N], rounded once from fp32 sums.
 Tensor linear_decode_cuda(const Tensor& x, const Tensor& w);
+// y = mat1 @ mat2 ([M, K] x [K, N] -> [M, N]) through addmm_fwd's GEMM path (no bias, no activation, one rounding).
+Tensor mm_rows_cuda(const Tensor& mat1, const Tensor& mat2);
+// gated_mlp_decode / linear_decode where T <= max_tokens (and the storages are 16-byte aligned), else the GEMM path
+// (gated: gate and up GEMMs, geglu_fwd, down GEMM): the token count decided at run time, for torch.compile graphs
+// with a symbolic T (gated_gemv.cu).
+Tensor gated_mlp_auto_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
+                           StrArg activation, int64_t max_tokens);
+Tensor linear_auto_cuda(const Tensor& x, const Tensor& w, int64_t max_tokens);
 #endif

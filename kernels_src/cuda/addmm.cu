@@ -726,17 +726,40 @@ void check_cuda_args(const std::optional<Tensor>& bias, const Tensor& mat1, cons
 
 using namespace fused_mlp::cuda;
 
+namespace {
+
+// addmm_fwd_cuda after its argument checks, the output allocated with out_sizes (the caller's [..., N]).
+std::tuple<Tensor, Tensor> addmm_fwd_checked(const std::optional<Tensor>& bias_in, const Tensor& mat1_in,
+                                             const Tensor& mat2_in, int act, bool save_preact,
+                                             const fused_mlp::Sizes& out_sizes);
+
+}  // namespace
+
 std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, const Tensor& mat1_in,
                                                   const Tensor& mat2_in, StrArg activation, bool save_preact,
                                                   ShapeArg out_shape) {
-  // (fused_mlp::mm_out is never re-cast by an enclosing torch.autocast: the Python API already cast.)
   const int act = static_cast<int>(fused_mlp::parse_epilogue_activation(activation));
   check_cuda_args(bias_in, mat1_in, mat2_in);
+  return addmm_fwd_checked(bias_in, mat1_in, mat2_in, act, save_preact,
+                           check_out_shape(out_shape, mat1_in.size(0), mat2_in.size(1)));
+}
+
+Tensor mm_rows_cuda(const Tensor& mat1, const Tensor& mat2) {
+  check_cuda_args(std::nullopt, mat1, mat2);
+  return std::get<0>(addmm_fwd_checked(std::nullopt, mat1, mat2, kActNone, false, {mat1.size(0), mat2.size(1)}));
+}
+
+namespace {
+
+std::tuple<Tensor, Tensor> addmm_fwd_checked(const std::optional<Tensor>& bias_in, const Tensor& mat1_in,
+                                             const Tensor& mat2_in, int act, bool save_preact,
+                                             const fused_mlp::Sizes& out_sizes) {
+  // (fused_mlp::mm_out is never re-cast by an enclosing torch.autocast: the Python API already cast.)
   const DeviceGuard guard(mat1_in);
   const int64_t M = mat1_in.size(0), K = mat1_in.size(1), N = mat2_in.size(1);
   const ScalarType T = mat1_in.scalar_type();
   const bool want_z = save_preact && act != kActNone;
-  auto y_out = fused_mlp::empty(check_out_shape(out_shape, M, N), T, mat1_in);  // the caller's [..., N]
+  auto y_out = fused_mlp::empty(out_sizes, T, mat1_in);  // the caller's [..., N]
   // y_out is fresh and contiguous: its [M, N] rows through one shim call (a view or contiguous() is a boxed
   // dispatcher call by name, ~1 us each of the decode-size host cost: docs/tuning-log.md#host-path).
   const Tensor y = fused_mlp::as_rows_view(y_out);
@@ -854,6 +877,8 @@ std::tuple<Tensor, Tensor> addmm_fwd_cuda(const std::optional<Tensor>& bias_in, 
   launch_bias_act(static_cast<const float*>(acc.const_data_ptr()), bias_p, y, want_z ? &z : nullptr, act, M, N, stream);
   return {y_out, z};
 }
+
+}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
     const Tensor& dy_in, const std::optional<Tensor>& preact, const Tensor& mat1_in,

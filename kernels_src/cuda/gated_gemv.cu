@@ -473,7 +473,7 @@ const DeviceFacts& device_facts(int dev) {
 }
 
 // Run-time overrides of the table for benchmarks: FUSED_MLP_DECODE_TUNE="gu_wr=2,gu_wk=4,dn_wr=1,dn_wk=8,dn_ks=2,
-// pdl=1" (any subset; 0 or absent = the table). Read per call (a getenv; parsed only when set).
+// lin_wr=1,lin_wk=8,pdl=1" (any subset; 0 or absent = the table). Read per call (a getenv; parsed only when set).
 struct Tune {
   int gu_wr = 0, gu_wk = 0, dn_wr = 0, dn_wk = 0, dn_ks = 0, lin_wr = 0, lin_wk = 0;
   bool pdl = kPdlDefault;
@@ -715,13 +715,27 @@ void run_linear(const Tensor& x, const Tensor& w, Tensor& y, const Tune& tune, i
 using namespace fused_mlp::cuda;
 
 // y = down(act(x w_gate^T) * (x w_up^T)) for T <= 64 tokens: x [T, H], w_gate / w_up [I, H], w_down [H_out, I].
+namespace {
+// x of either decode op: a CUDA tensor of 16-bit floats (then check_operand), on a device the build has code for.
+void check_decode_x(const Tensor& x, const char* op) {
+  FM_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got one on ", device_str(x));
+  FM_CHECK(x.scalar_type() == kBFloat16 || x.scalar_type() == kHalf, op, ": x must be bfloat16 or float16, got ",
+           x.scalar_type());
+  check_operand(x, "x", x, op);
+  const DeviceFacts& facts = device_facts(device_index(x));
+  FM_CHECK(facts.major >= 8, op, ": needs sm_80 or newer (bf16/fp16 mma.sync), this device is sm_", facts.major,
+           facts.minor);
+#ifdef FUSED_MLP_NO_ARCH
+  FM_CHECK(false, op, ": this build has no code for sm_80 / sm_90 / sm_100 / sm_120 (gated_gemv.cu was compiled for "
+           "none of its capabilities); use the default backend");
+#endif
+}
+}  // namespace
+
 Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
                              StrArg activation) {
   const Act act = parse_activation(activation);
-  FM_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor, got one on ", device_str(x));
-  FM_CHECK(x.scalar_type() == kBFloat16 || x.scalar_type() == kHalf, kOp, ": x must be bfloat16 or float16, got ",
-           x.scalar_type());
-  check_operand(x, "x", x);
+  check_decode_x(x, kOp);
   check_operand(w_gate, "w_gate", x);
   check_operand(w_up, "w_up", x);
   check_operand(w_down, "w_down", x);
@@ -738,13 +752,6 @@ Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor
   FM_CHECK(H < (int64_t{1} << 30) && I < (int64_t{1} << 30) && H_out < (int64_t{1} << 30), kOp,
            ": H, I and H_out must be below 2^30");
   const int dev = device_index(x);
-  const DeviceFacts& facts = device_facts(dev);
-  FM_CHECK(facts.major >= 8, kOp, ": needs sm_80 or newer (bf16/fp16 mma.sync), this device is sm_", facts.major,
-           facts.minor);
-#ifdef FUSED_MLP_NO_ARCH
-  FM_CHECK(false, kOp, ": this build has no code for sm_80 / sm_90 / sm_100 / sm_120 (gated_gemv.cu was compiled for "
-           "none of its capabilities); use the default backend");
-#endif
   const Tune tune = read_tune();
   DeviceGuard guard(x);
   if (T == 0 || H_out == 0) return fused_mlp::empty({T, H_out}, x.scalar_type(), x);
@@ -762,10 +769,7 @@ Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor
 
 // y = x w^T for T <= 64 tokens: x [T, K], w [N, K] (nn.Linear's weight), no bias.
 Tensor linear_decode_cuda(const Tensor& x, const Tensor& w) {
-  FM_CHECK(x.is_cuda(), kLinearOp, ": x must be a CUDA tensor, got one on ", device_str(x));
-  FM_CHECK(x.scalar_type() == kBFloat16 || x.scalar_type() == kHalf, kLinearOp,
-           ": x must be bfloat16 or float16, got ", x.scalar_type());
-  check_operand(x, "x", x, kLinearOp);
+  check_decode_x(x, kLinearOp);
   check_operand(w, "w", x, kLinearOp);
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   FM_CHECK(w.size(1) == K, kLinearOp, ": w must be [N, K] with K = ", K, " (x is ", fused_mlp::shape_str(x),
@@ -775,13 +779,6 @@ Tensor linear_decode_cuda(const Tensor& x, const Tensor& w) {
   FM_CHECK(K % 8 == 0, kLinearOp, ": K must be a multiple of 8 (16-byte rows), got ", K);
   FM_CHECK(K < (int64_t{1} << 30) && N < (int64_t{1} << 30), kLinearOp, ": K and N must be below 2^30");
   const int dev = device_index(x);
-  const DeviceFacts& facts = device_facts(dev);
-  FM_CHECK(facts.major >= 8, kLinearOp, ": needs sm_80 or newer (bf16/fp16 mma.sync), this device is sm_",
-           facts.major, facts.minor);
-#ifdef FUSED_MLP_NO_ARCH
-  FM_CHECK(false, kLinearOp, ": this build has no code for sm_80 / sm_90 / sm_100 / sm_120 (gated_gemv.cu was "
-           "compiled for none of its capabilities); use the default backend");
-#endif
   const Tune tune = read_tune();
   DeviceGuard guard(x);
   if (T == 0 || N == 0) return fused_mlp::empty({T, N}, x.scalar_type(), x);
@@ -795,3 +792,30 @@ Tensor linear_decode_cuda(const Tensor& x, const Tensor& w) {
   return y;
 }
 
+
+// ---- Token count chosen at run time (torch.compile with a symbolic T: _decode.py passes the table's limit) --------
+// The decode kernels where T <= max_tokens and the storages are 16-byte aligned (the Python side has checked dtypes,
+// shapes and contiguity when the graph was traced); the GEMM path otherwise: addmm_fwd's cuBLASLt GEMMs (fp32
+// accumulation, one rounding each) and, for the gated MLP, geglu_fwd between them. Under CUDA graphs each captured
+// size records its own choice.
+
+namespace {
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+}  // namespace
+
+Tensor gated_mlp_auto_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
+                           StrArg activation, int64_t max_tokens) {
+  const int64_t T = x.size(0);
+  if (T <= std::min<int64_t>(max_tokens, kMaxTokens) && aligned16(x) && aligned16(w_gate) && aligned16(w_up) &&
+      aligned16(w_down))
+    return gated_mlp_decode_cuda(x, w_gate, w_up, w_down, activation);
+  const Tensor gate = mm_rows_cuda(x, fused_mlp::transposed(w_gate));
+  const Tensor up = mm_rows_cuda(x, fused_mlp::transposed(w_up));
+  return mm_rows_cuda(geglu_fwd_cuda(gate, up, activation), fused_mlp::transposed(w_down));
+}
+
+Tensor linear_auto_cuda(const Tensor& x, const Tensor& w, int64_t max_tokens) {
+  if (x.size(0) <= std::min<int64_t>(max_tokens, kMaxTokens) && aligned16(x) && aligned16(w))
+    return linear_decode_cuda(x, w);
+  return mm_rows_cuda(x, fused_mlp::transposed(w));
+}

@@ -246,7 +246,8 @@ def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
 @needs_gpu
 def test_gated_mlp_under_compile(fm, monkeypatch):
     """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit. With a symbolic T
-    (dynamic=True) the other path is traced and no guard on T is added (no recompile at another T)."""
+    (dynamic=True) ``gated_mlp_auto`` is traced and no guard on T is added (no recompile at another T): up to the
+    limit it runs the decode op (eager's bits), above it the GEMM path (2x rule)."""
     monkeypatch.setenv(ENV, "on")
     monkeypatch.delenv(TUNE, raising=False)
     (wg, wu, wd), _ = weights(136, 520, 24, torch.bfloat16)
@@ -270,12 +271,46 @@ def test_gated_mlp_under_compile(fm, monkeypatch):
     torch._dynamo.reset()
     graphs.clear()
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    _, w32 = weights(136, 520, 24, torch.bfloat16)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for t in (4, 9, 70):
-            y = compiled(tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136))
+            xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
+            y = compiled(xt)
             assert y.shape == (2, t, 24)
-    assert len(graphs) == 1 and "gated_mlp_decode" not in graphs[0], graphs
+            if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+                assert torch.equal(y, f(xt)), t
+            else:
+                assert_2x_rule(y, ref32(xt, w32, "gelu_tanh"), same_dtype(xt, (wg, wu, wd), "gelu_tanh"), name="y")
+    assert len(graphs) == 1 and "gated_mlp_auto" in graphs[0] and "gated_mlp_decode" not in graphs[0], graphs
     torch._dynamo.reset()
+
+
+@needs_gpu
+@pytest.mark.parametrize("act", ACTS)
+def test_auto_op_picks_by_token_count_at_run_time(fm, monkeypatch, act):
+    """``gated_mlp_auto(..., max_tokens)``: T <= max_tokens runs ``gated_mlp_decode`` (same bits), above it or with a
+    storage that is not 16-byte aligned the GEMM path (gate and up GEMMs, ``geglu_fwd``, down GEMM: the same bits as
+    those ops called one by one), every result within the 2x rule."""
+    monkeypatch.delenv(TUNE, raising=False)
+    ops = fm._ops.ops
+    w, w32 = weights(2056, 5128, 2056, torch.bfloat16)
+    wg, wu, wd = w
+
+    def gemm_path(x):
+        mm = lambda a, b: ops.addmm_fwd(None, a, b.t(), "none", False, [a.shape[0], b.shape[0]])[0]  # noqa: E731
+        return mm(ops.geglu_fwd(mm(x, wg), mm(x, wu), act), wd)
+
+    for t in (1, 16, 17, 64, 65, 300):
+        x = tokens(t, 2056, torch.bfloat16, seed=t)
+        y = ops.gated_mlp_auto(x, wg, wu, wd, act, 16)
+        want = ops.gated_mlp_decode(x, wg, wu, wd, act) if t <= 16 else gemm_path(x)
+        assert torch.equal(y, want), t
+        assert_2x_rule(y, ref32(x, w32, act), same_dtype(x, w, act), name=f"T={t}")
+    # a view 8 bytes past a 16-byte boundary: the GEMM path, no error
+    buf = tokens(4 * 2056 + 4, 1, torch.bfloat16, seed=7).view(-1)
+    x = buf[4:].view(4, 2056)
+    assert x.data_ptr() % 16 == 8
+    assert torch.equal(ops.gated_mlp_auto(x, wg, wu, wd, act, 16), gemm_path(x))
 
 
 # ---- dispatch ------------------------------------------------------------------------------------------------------
@@ -283,6 +318,7 @@ def test_gated_mlp_under_compile(fm, monkeypatch):
 
 def test_schema_is_registered_in_every_build(fm):
     assert hasattr(fm._ops.ops, "gated_mlp_decode") and fm._decode.KERNEL_MAX_TOKENS == 64
+    assert hasattr(fm._ops.ops, "gated_mlp_auto")
 
 
 def test_mode_is_checked(fm, monkeypatch):

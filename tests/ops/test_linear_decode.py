@@ -143,10 +143,50 @@ def spy(fm, monkeypatch) -> list[str]:
     """Records which of linear's two eager inference ops run (addmm.py looks both up at call time)."""
     called: list[str] = []
     mod = sys.modules[fm.linear.__module__]
-    real_dec, real_fwd = mod._linear_decode, mod._fwd_call
+    real_dec, real_call, real_fwd = mod._linear_decode, mod._linear_decode_call, mod._fwd_call
     monkeypatch.setattr(mod, "_linear_decode", lambda *a: (called.append("linear_decode"), real_dec(*a))[1])
+    monkeypatch.setattr(mod, "_linear_decode_call", lambda *a: (called.append("linear_decode"), real_call(*a))[1])
     monkeypatch.setattr(mod, "_fwd_call", lambda *a: (called.append("addmm_fwd"), real_fwd(*a))[1])
     return called
+
+
+@needs_gpu
+def test_full_path_and_alignment(fm, monkeypatch):
+    """The checked path (a 1-D x, an nn.Parameter x) takes the op as the fast path does; a view that is contiguous
+    but not 16-byte aligned never reaches it (either path), and its result is right."""
+    monkeypatch.setenv(ENV, "on")
+    monkeypatch.delenv(TUNE, raising=False)
+    w, w32 = weight(2056, 1032, torch.bfloat16)
+    called = spy(fm, monkeypatch)
+    x1 = tokens(1, 2056, torch.bfloat16, seed=5).view(2056)
+    with torch.no_grad():
+        y1 = fm.linear(x1, w)
+        yp = fm.linear(torch.nn.Parameter(x1.clone(), requires_grad=False), w)
+    assert called == ["linear_decode", "linear_decode"], called
+    assert y1.shape == (1032,) and torch.equal(y1, yp)
+    assert torch.equal(y1, fm._ops.ops.linear_decode(x1.view(1, 2056), w).view(1032))
+    buf = tokens(1, 2056 + 8, torch.bfloat16, seed=6)
+    for x in (buf[:, 3:3 + 2056], torch.nn.Parameter(buf[:, 3:3 + 2056], requires_grad=False)):
+        assert x.is_contiguous() and x.data_ptr() % 16 != 0
+        called.clear()
+        with torch.no_grad():
+            y = fm.linear(x, w)
+        assert "linear_decode" not in called, called
+        assert_2x_rule(y, F.linear(x.float(), w32), F.linear(x.detach(), w), name="misaligned")
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        fm._ops.ops.linear_decode(buf[:, 3:3 + 2056], w)
+
+
+@needs_gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_lm_head_sized_n(fm, monkeypatch, t):
+    """N = 128256 rows (an lm_head's; 8016 row groups), random values, against the fp32 reference."""
+    monkeypatch.delenv(TUNE, raising=False)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = (torch.randn(128256, 256, device="cuda", generator=g) * 256 ** -0.5).to(torch.bfloat16)
+    x = tokens(t, 256, torch.bfloat16, seed=t)
+    y = fm._ops.ops.linear_decode(x, w)
+    assert_2x_rule(y, F.linear(x.float(), w.float()), F.linear(x, w), name=f"T={t}")
 
 
 @needs_gpu
@@ -183,8 +223,8 @@ def test_linear_takes_the_op_only_where_it_applies(fm, monkeypatch):
 
 @needs_gpu
 def test_linear_under_compile(fm, monkeypatch):
-    """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit; a symbolic T
-    traces the GEMM path without a guard on T."""
+    """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit; a symbolic T traces
+    ``linear_auto`` without a guard on T (the GEMV up to the limit: eager's bits; the GEMM above it)."""
     monkeypatch.setenv(ENV, "on")
     monkeypatch.delenv(TUNE, raising=False)
     w, _ = weight(136, 40, torch.bfloat16)
@@ -207,18 +247,47 @@ def test_linear_under_compile(fm, monkeypatch):
     torch._dynamo.reset()
     graphs.clear()
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    _, w32 = weight(136, 40, torch.bfloat16)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for t in (4, 9, 70):
-            assert compiled(tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)).shape == (2, t, 40)
-    assert len(graphs) == 1 and "linear_decode" not in graphs[0], graphs
+            xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
+            y = compiled(xt)
+            assert y.shape == (2, t, 40)
+            if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+                assert torch.equal(y, f(xt)), t
+            else:
+                assert_2x_rule(y, F.linear(xt.float(), w32), F.linear(xt, w), name="y")
+    assert len(graphs) == 1 and "linear_auto" in graphs[0] and "linear_decode" not in graphs[0], graphs
     torch._dynamo.reset()
+
+
+@needs_gpu
+def test_auto_op_picks_by_token_count_at_run_time(fm, monkeypatch):
+    """``linear_auto(x, w, max_tokens)``: T <= max_tokens runs ``linear_decode`` (same bits), above it or with a
+    storage that is not 16-byte aligned our GEMM path (``addmm_fwd``'s bits), every result within the 2x rule."""
+    monkeypatch.delenv(TUNE, raising=False)
+    ops = fm._ops.ops
+    w, w32 = weight(2056, 1032, torch.bfloat16)
+
+    def gemm_path(x):
+        return ops.addmm_fwd(None, x, w.t(), "none", False, [x.shape[0], w.shape[0]])[0]
+
+    for t in (1, 16, 17, 64, 65, 300):
+        x = tokens(t, 2056, torch.bfloat16, seed=t)
+        y = ops.linear_auto(x, w, 16)
+        assert torch.equal(y, ops.linear_decode(x, w) if t <= 16 else gemm_path(x)), t
+        assert_2x_rule(y, F.linear(x.float(), w32), F.linear(x, w), name=f"T={t}")
+    buf = tokens(4 * 2056 + 4, 1, torch.bfloat16, seed=7).view(-1)
+    x = buf[4:].view(4, 2056)
+    assert x.data_ptr() % 16 == 8
+    assert torch.equal(ops.linear_auto(x, w, 16), gemm_path(x))
 
 
 # ---- dispatch without a kernel -------------------------------------------------------------------------------------
 
 
 def test_schema_is_registered_in_every_build(fm):
-    assert hasattr(fm._ops.ops, "linear_decode")
+    assert hasattr(fm._ops.ops, "linear_decode") and hasattr(fm._ops.ops, "linear_auto")
 
 
 def test_mode_is_checked(fm, monkeypatch):
@@ -264,5 +333,4 @@ def test_cpu_tensors_never_take_the_op(fm, monkeypatch):
     assert not fm._decode.use_linear_decode(x, w.t())
     with torch.no_grad():
         y = fm.linear(x, w)
-    assert torch.equal(y, fm.linear(x, w, None))
     assert_2x_rule(y, F.linear(x.float(), w.float()), F.linear(x, w), name="y")

@@ -8,9 +8,12 @@ rounded once.
 
 ``use_decode`` is asked on every inference call of ``gated_mlp`` (decode: every layer, every token), so the cheap
 tests come first and nothing here adds a guard under torch.compile: sizes are decided only where they are known
-(concrete ints, or ``statically_known_true``); a symbolic token count takes the other path. ``FUSED_MLP_DECODE_MLP``
-overrides the table: ``off`` never, ``on`` wherever the op can run (tests, benchmarks), ``auto`` (default) where the
-measured table below says it is faster.
+(concrete ints, or ``statically_known_true``). A symbolic token count (Dynamo's automatic dynamic shapes make the
+batch dimension dynamic once a second batch size is seen) takes ``gated_mlp_auto``, which compares T with the
+table's limit at run time and runs either the decode kernels or the GEMM path (``runtime_limit``).
+``FUSED_MLP_DECODE_MLP`` overrides the table: ``off`` never, ``on`` wherever the op can run (tests, benchmarks),
+``auto`` (default) where the measured table below says it is faster. Bias-free ``linear`` has the same pair:
+``linear_decode`` / ``linear_auto`` (``FUSED_MLP_LINEAR_DECODE``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ MAX_TOKENS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(9, 0): ((3072
 _MAJORS = (8, 9, 10, 12)
 
 _AVAILABLE = hasattr(ops, "gated_mlp_decode")  # every build registers the schema; only CUDA builds implement it
+_AUTO_AVAILABLE = hasattr(ops, "gated_mlp_auto")
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
@@ -43,13 +47,49 @@ def _gated_mlp_decode_fake(x, w_gate, w_up, w_down, activation):
     return x.new_empty((x.shape[0], w_down.shape[0]))
 
 
+@torch.library.register_fake(add_op_namespace_prefix("gated_mlp_auto"))
+def _gated_mlp_auto_fake(x, w_gate, w_up, w_down, activation, max_tokens):
+    return x.new_empty((x.shape[0], w_down.shape[0]))
+
+
+def _read_mode(env: str) -> str:
+    m = os.environ.get(env, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{env} must be one of {MODES}, got {m!r}")
+    return m
+
+
+def _capability(idx: int) -> tuple[int, int]:
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap
+
+
+def _forced_limit(cap: tuple[int, int]) -> int:
+    """Forced on: the kernels' own limit wherever the build has code for the capability."""
+    return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """Storages start 16-byte aligned, so the offset decides. Not traceable under torch.compile: there the decode
+    ops' own check reports a misaligned view (the *_auto ops take the GEMM path instead)."""
+    if torch.compiler.is_compiling():
+        return True
+    for t in ts:  # (a loop, not all(<generator>): decode asks this per layer per token)
+        if t.storage_offset() * t.element_size() % 16:
+            return False
+    return True
+
+
 # The environment and device queries are constants to torch.compile (evaluated when the graph is traced).
 @torch.compiler.assume_constant_result
 def mode() -> str:
-    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {m!r}")
-    return m
+    return _read_mode(ENV)
 
 
 def auto_limit(cap: tuple[int, int], h: int) -> int:
@@ -64,60 +104,78 @@ def auto_limit(cap: tuple[int, int], h: int) -> int:
 def _token_limit(idx: int, forced: bool, h: int) -> int:
     """The largest T the op takes on device ``idx`` for hidden size ``h``: the table's entry (auto), the kernel's limit
     (forced on) where the capability is supported, else 0."""
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    if forced:
-        return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
-    return auto_limit(cap, h)
+    cap = _capability(idx)
+    return _forced_limit(cap) if forced else auto_limit(cap, h)
+
+
+def _limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+           b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> int:
+    """The largest T for which ``gated_mlp``'s inference forward takes the decode op, when everything but the token
+    count and the storages' alignment qualifies; else 0."""
+    if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None or b_down is not None:
+        return 0
+    if x.dtype != torch.bfloat16 and x.dtype != torch.float16:
+        return 0
+    m = mode()
+    if m == "off":
+        return 0
+    h = x.shape[-1]
+    if not isinstance(h, int):  # a symbolic hidden size: the other path
+        return 0
+    limit = _token_limit(_device_index(x), m == "on", h)
+    if not limit:
+        return 0
+    for w in (w_gate, w_up, w_down):
+        if w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous():
+            return 0
+    if not x.is_contiguous():
+        return 0
+    if not (statically_known_true(h % 8 == 0) and statically_known_true(w_gate.shape[0] % 8 == 0)):  # 16-byte rows
+        return 0
+    return limit
+
+
+def _tokens(x: torch.Tensor):
+    t = 1
+    for d in x.shape[:-1]:  # (torch.Size.numel() would specialise a symbolic size outside dynamo)
+        t = t * d
+    return t
 
 
 def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> bool:
     """Run ``gated_mlp``'s inference forward through ``gated_mlp_decode``? x: ``[..., H]`` (any rank; the op takes
     its contiguous [T, H] view), weights as ``gated_mlp`` takes them, no biases."""
-    if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None or b_down is not None:
+    limit = _limit(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    if not limit or not statically_known_true(_tokens(x) <= limit):  # a symbolic T: False, and no guard added
         return False
-    if x.dtype != torch.bfloat16 and x.dtype != torch.float16:
-        return False
-    m = mode()
-    if m == "off":
-        return False
-    h = x.shape[-1]
-    if not isinstance(h, int):  # a symbolic hidden size: the other path
-        return False
-    limit = _token_limit(x.device.index if x.device.index is not None else torch.cuda.current_device(), m == "on", h)
-    t = 1
-    for d in x.shape[:-1]:  # (torch.Size.numel() would specialise a symbolic size outside dynamo)
-        t = t * d
-    if not statically_known_true(t <= limit):  # a symbolic T: False, and no guard added
-        return False
-    for w in (w_gate, w_up, w_down):
-        if w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous():
-            return False
-    if not x.is_contiguous():
-        return False
-    h, i = x.shape[-1], w_gate.shape[0]
-    if not (statically_known_true(h % 8 == 0) and statically_known_true(i % 8 == 0)):  # 16-byte rows
-        return False
-    # Storages start 16-byte aligned, so the offset decides (not traceable under torch.compile: there the op's own
-    # check reports a misaligned view).
-    if not torch.compiler.is_compiling():
-        for t in (x, w_gate, w_up, w_down):
-            if t.storage_offset() * t.element_size() % 16:
-                return False
-    return True
+    return _aligned(x, w_gate, w_up, w_down)
+
+
+def runtime_limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> int:
+    """Under torch.compile, a token count that is neither known to fit the decode op nor known not to (a symbolic T:
+    e.g. the batch dimension Dynamo made dynamic): the limit to pass to ``gated_mlp_auto``, which compares T at run
+    time, without a guard or a recompile; else 0 (``use_decode`` or the GEMM path decide when the graph is traced)."""
+    limit = _limit(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    if not limit or not _AUTO_AVAILABLE:
+        return 0
+    t = _tokens(x)
+    if statically_known_true(t <= limit) or statically_known_true(t > limit):
+        return 0
+    return limit
 
 
 # ---- Linear (no bias) at decode sizes: ``linear_decode(x, w)`` = x [T, K] @ w[N, K]^T, the down pass alone ----------
 
 LINEAR_ENV = "FUSED_MLP_LINEAR_DECODE"
-# auto: the largest T per compute capability where a decoder layer's q/k/v/o projections beat the cuBLAS path, and the
-# largest N measured there (an lm_head's N stays on cuBLAS); no entry: never in auto -- docs/tuning-log.md#linear-decode
+# auto: the largest T per compute capability where a decoder layer's q/k/v/o projections beat the cuBLAS path, and an
+# N cap below an lm_head's (which loses); no entry: never in auto -- docs/tuning-log.md#linear-decode
 LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
 LINEAR_AUTO_MAX_N = 16384
 
 _LINEAR_AVAILABLE = hasattr(ops, "linear_decode")
+_LINEAR_AUTO_AVAILABLE = hasattr(ops, "linear_auto")
 
 
 @torch.library.register_fake(add_op_namespace_prefix("linear_decode"))
@@ -125,47 +183,60 @@ def _linear_decode_fake(x, w):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+@torch.library.register_fake(add_op_namespace_prefix("linear_auto"))
+def _linear_auto_fake(x, w, max_tokens):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
 @torch.compiler.assume_constant_result
 def linear_mode() -> str:
-    m = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{LINEAR_ENV} must be one of {MODES}, got {m!r}")
-    return m
+    return _read_mode(LINEAR_ENV)
 
 
 @torch.compiler.assume_constant_result
 def _linear_token_limit(idx: int, forced: bool) -> int:
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    if forced:
-        return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
-    return LINEAR_MAX_TOKENS.get(cap, 0)
+    cap = _capability(idx)
+    return _forced_limit(cap) if forced else LINEAR_MAX_TOKENS.get(cap, 0)
+
+
+def _linear_limit(x2: torch.Tensor, w_kn: torch.Tensor) -> int:
+    """The largest T for which a bias-free, activation-free inference ``linear`` takes ``linear_decode``, when
+    everything but the token count and the storages' alignment qualifies; else 0."""
+    if not (_LINEAR_AVAILABLE and x2.is_cuda) or (x2.dtype != torch.bfloat16 and x2.dtype != torch.float16):
+        return 0
+    m = linear_mode()
+    if m == "off":
+        return 0
+    limit = _linear_token_limit(_device_index(x2), m == "on")
+    if not limit:
+        return 0
+    if w_kn.dtype != x2.dtype or w_kn.dim() != 2 or not x2.is_contiguous() or not w_kn.t().is_contiguous():
+        return 0
+    if m == "auto" and not statically_known_true(w_kn.shape[1] <= LINEAR_AUTO_MAX_N):
+        return 0
+    if not statically_known_true(x2.shape[1] % 8 == 0):  # 16-byte rows
+        return 0
+    return limit
 
 
 def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
     """Run a bias-free, activation-free inference ``linear`` through ``linear_decode``? ``x2``: the ``[M, K]`` rows,
     ``w_kn``: ``[K, N]`` as ``_addmm_impl`` gets it (``weight.t()`` of a contiguous ``[N, K]`` weight qualifies; a
     row-major ``[K, N]`` mat2, e.g. GPT-2's Conv1D weight, does not). Same rules as ``use_decode``: no guard under
-    torch.compile, a symbolic token count takes the GEMM path."""
-    if not (_LINEAR_AVAILABLE and x2.is_cuda) or (x2.dtype != torch.bfloat16 and x2.dtype != torch.float16):
+    torch.compile, a symbolic token count does not take it here (``linear_runtime_limit``)."""
+    limit = _linear_limit(x2, w_kn)
+    if not limit or not statically_known_true(x2.shape[0] <= limit):
         return False
-    m = linear_mode()
-    if m == "off" or (m == "auto" and not LINEAR_MAX_TOKENS):  # (decode calls this per projection per token)
-        return False
-    limit = _linear_token_limit(x2.device.index if x2.device.index is not None else torch.cuda.current_device(),
-                                m == "on")
-    if not statically_known_true(x2.shape[0] <= limit):
-        return False
-    if w_kn.dtype != x2.dtype or w_kn.dim() != 2 or not x2.is_contiguous() or not w_kn.t().is_contiguous():
-        return False
-    if m == "auto" and w_kn.shape[1] > LINEAR_AUTO_MAX_N:
-        return False
-    if not statically_known_true(x2.shape[1] % 8 == 0):  # 16-byte rows
-        return False
-    if not torch.compiler.is_compiling():
-        for t in (x2, w_kn):
-            if t.storage_offset() * t.element_size() % 16:
-                return False
-    return True
+    return _aligned(x2, w_kn)
 
+
+def linear_runtime_limit(x2: torch.Tensor, w_kn: torch.Tensor) -> int:
+    """As ``runtime_limit`` for ``linear_auto``: under torch.compile, a token count neither known to fit nor known not
+    to gets the limit that ``linear_auto`` compares at run time; else 0."""
+    limit = _linear_limit(x2, w_kn)
+    if not limit or not _LINEAR_AUTO_AVAILABLE:
+        return 0
+    t = x2.shape[0]
+    if statically_known_true(t <= limit) or statically_known_true(t > limit):
+        return 0
+    return limit

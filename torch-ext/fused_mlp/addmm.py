@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import EPILOGUE_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._decode import linear_runtime_limit as _linear_runtime_limit
 from ._decode import use_linear_decode as _use_linear_decode
 from ._ops import add_op_namespace_prefix, ops
 
@@ -45,6 +46,8 @@ _bwd = ops.addmm_bwd.default
 _fwd_call = getattr(_fwd, "_op", _fwd)
 # Bias-free inference at decode sizes (T and N within _decode.py's measured table): the GEMV op linear_decode.
 _linear_decode = ops.linear_decode.default if hasattr(ops, "linear_decode") else None
+_linear_decode_call = getattr(_linear_decode, "_op", _linear_decode)  # eager: the C++ entry, as _fwd_call
+_linear_auto = ops.linear_auto.default if hasattr(ops, "linear_auto") else None
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -187,13 +190,13 @@ def _addmm_impl(
         x_dim = x.dim()
         if op_act is not None and x_dim >= 2 and w_kn.dim() == 2:
             try:
-                if bias is None and op_act == "none" and x.is_cuda:
-                    x2 = x if x_dim == 2 else x.flatten(0, -2)
-                    if _use_linear_decode(x2, w_kn):
-                        return _linear_decode(x2, w_kn.t()).view(*x.shape[:-1], w_kn.shape[1])
+                x2 = x if x_dim == 2 else x.flatten(0, -2)
+                if bias is None and op_act == "none" and x.is_cuda and _use_linear_decode(x2, w_kn):
+                    y = _linear_decode_call(x2, w_kn.t())
+                    return y if x_dim == 2 else y.view(*x.shape[:-1], w_kn.shape[1])
                 if x_dim == 2:
                     return _fwd_call(bias, x, w_kn, op_act, False, [x.shape[0], w_kn.shape[1]])[0]
-                return _fwd_call(bias, x.flatten(0, -2), w_kn, op_act, False, [*x.shape[:-1], w_kn.shape[1]])[0]
+                return _fwd_call(bias, x2, w_kn, op_act, False, [*x.shape[:-1], w_kn.shape[1]])[0]
             except _FALLBACK_ERRORS:
                 pass
     bias_name, x_name, w_name = names
@@ -251,8 +254,13 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
-        if bias is None and act == "none" and _use_linear_decode(x2, w2):
-            return _linear_decode(x2, w2.t()).view(out_shape)
+        if bias is None and act == "none":
+            if _use_linear_decode(x2, w2):
+                return _linear_decode(x2, w2.t()).view(out_shape)
+            if torch.compiler.is_compiling():  # a symbolic token count: the GEMV or the GEMM, chosen at run time
+                limit = _linear_runtime_limit(x2, w2)
+                if limit:
+                    return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)

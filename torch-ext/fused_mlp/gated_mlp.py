@@ -180,6 +180,12 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
         lead = x.shape[:-1]
         y = ops.gated_mlp_decode(x.view(lead.numel(), x.shape[-1]), w_gate, w_up, w_down, activation)
         return y.view(*lead, w_down.shape[0])
+    if autocast is None and torch.compiler.is_compiling():
+        # a symbolic token count: the decode kernels or the GEMM path, chosen by T at run time (no guard, no recompile)
+        limit = _decode.runtime_limit(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+        if limit:
+            y = ops.gated_mlp_auto(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, activation, limit)
+            return y.view(*x.shape[:-1], w_down.shape[0])
     # Inference: three GEMMs and one activation kernel on the projections' own (contiguous, any-rank) outputs.
     # Under autocast, F.linear casts its operands itself (with autocast's weight-cast cache), as in the module.
     if autocast is None and _epilogue.use_fwd(x, w_gate, w_up, b_gate, b_up):
