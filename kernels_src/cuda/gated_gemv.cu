@@ -714,7 +714,6 @@ void run_linear(const Tensor& x, const Tensor& w, Tensor& y, const Tune& tune, i
 
 using namespace fused_mlp::cuda;
 
-// y = down(act(x w_gate^T) * (x w_up^T)) for T <= 64 tokens: x [T, H], w_gate / w_up [I, H], w_down [H_out, I].
 namespace {
 // x of either decode op: a CUDA tensor of 16-bit floats (then check_operand), on a device the build has code for.
 void check_decode_x(const Tensor& x, const char* op) {
@@ -732,6 +731,7 @@ void check_decode_x(const Tensor& x, const char* op) {
 }
 }  // namespace
 
+// y = down(act(x w_gate^T) * (x w_up^T)) for T <= 64 tokens: x [T, H], w_gate / w_up [I, H], w_down [H_out, I].
 Tensor gated_mlp_decode_cuda(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
                              StrArg activation) {
   const Act act = parse_activation(activation);

@@ -207,6 +207,7 @@ def test_opcheck(fm):
     (wg, wu, wd), _ = weights(136, 520, 24, torch.bfloat16)
     for t, act in ((1, "gelu_tanh"), (13, "gelu"), (40, "silu")):
         torch.library.opcheck(fm._ops.ops.gated_mlp_decode, (tokens(t, 136, torch.bfloat16), wg, wu, wd, act))
+        torch.library.opcheck(fm._ops.ops.gated_mlp_auto, (tokens(t, 136, torch.bfloat16), wg, wu, wd, act, 16))
 
 
 # ---- gated_mlp through it ------------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
 @needs_gpu
 def test_gated_mlp_under_compile(fm, monkeypatch):
     """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit. With a symbolic T
-    (dynamic=True) ``gated_mlp_auto`` is traced and no guard on T is added (no recompile at another T): up to the
+    (the token dimension marked dynamic) ``gated_mlp_auto`` is traced and no guard on T is added (no recompile at another T): up to the
     limit it runs the decode op (eager's bits), above it the GEMM path (2x rule)."""
     monkeypatch.setenv(ENV, "on")
     monkeypatch.delenv(TUNE, raising=False)
@@ -270,11 +271,12 @@ def test_gated_mlp_under_compile(fm, monkeypatch):
     assert torch.equal(out, eager)
     torch._dynamo.reset()
     graphs.clear()
-    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    compiled = torch.compile(f, fullgraph=True, backend=backend)  # only the token dimension dynamic, as in decode
     _, w32 = weights(136, 520, 24, torch.bfloat16)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for t in (4, 9, 70):
             xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
+            torch._dynamo.mark_dynamic(xt, 1)
             y = compiled(xt)
             assert y.shape == (2, t, 24)
             if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
@@ -406,6 +408,32 @@ def test_auto_limit_follows_the_hidden_size(fm):
     assert dec.auto_limit((9, 0), 2048) == 16 and dec.auto_limit((9, 0), 3072) == 16
     assert dec.auto_limit((9, 0), 4096) == 8
     assert dec.auto_limit((8, 0), 2048) == 0
+
+
+def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
+    """Under a symbolic T the table's limit goes to gated_mlp_auto (the op compares T at run time); a static T, a
+    bias, or "off" give 0; deciding adds no guard to the shape environment."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    dec = fm._decode
+    monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
+    x.fake_device = torch.device("cuda", 0)
+    w = [_on_cuda(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in ((160, 64), (160, 64), (64, 160))]
+    static_x = _on_cuda(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"))
+    monkeypatch.setenv(ENV, "on")
+    assert dec.runtime_limit(x, *w, None, None, None) == dec.KERNEL_MAX_TOKENS
+    monkeypatch.setenv(ENV, "auto")
+    assert dec.runtime_limit(x, *w, None, None, None) == dec.auto_limit((9, 0), 64) > 0
+    assert dec.runtime_limit(static_x, *w, None, None, None) == 0
+    assert dec.runtime_limit(x, *w, None, None, w[2][:, 0]) == 0
+    monkeypatch.setenv(ENV, "off")
+    assert dec.runtime_limit(x, *w, None, None, None) == 0
+    assert not shape_env.guards, shape_env.guards
 
 
 def test_predicate_says_no_to_a_symbolic_token_count(fm, monkeypatch):

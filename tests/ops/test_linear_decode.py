@@ -134,6 +134,7 @@ def test_opcheck(fm):
     w, _ = weight(136, 40, torch.bfloat16)
     for t in (1, 13, 40):
         torch.library.opcheck(fm._ops.ops.linear_decode, (tokens(t, 136, torch.bfloat16), w))
+        torch.library.opcheck(fm._ops.ops.linear_auto, (tokens(t, 136, torch.bfloat16), w, 16))
 
 
 # ---- linear / Linear through it ------------------------------------------------------------------------------------
@@ -246,11 +247,12 @@ def test_linear_under_compile(fm, monkeypatch):
     assert torch.equal(out, eager)
     torch._dynamo.reset()
     graphs.clear()
-    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    compiled = torch.compile(f, fullgraph=True, backend=backend)  # only the token dimension dynamic, as in decode
     _, w32 = weight(136, 40, torch.bfloat16)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for t in (4, 9, 70):
             xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
+            torch._dynamo.mark_dynamic(xt, 1)
             y = compiled(xt)
             assert y.shape == (2, t, 40)
             if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
@@ -288,6 +290,36 @@ def test_auto_op_picks_by_token_count_at_run_time(fm, monkeypatch):
 
 def test_schema_is_registered_in_every_build(fm):
     assert hasattr(fm._ops.ops, "linear_decode") and hasattr(fm._ops.ops, "linear_auto")
+
+
+def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
+    """Under a symbolic T the limit goes to linear_auto; a static T, an lm_head-sized N in auto, or "off" give 0; no
+    guard is added."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    def on_cuda(t):
+        return FakeTensor(FakeTensorMode(allow_non_fake_inputs=True), t, torch.device("cuda", 0))
+
+    dec = fm._decode
+    monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
+    x.fake_device = torch.device("cuda", 0)
+    w = on_cuda(torch.empty(96, 64, dtype=torch.bfloat16, device="meta"))
+    wide = on_cuda(torch.empty(dec.LINEAR_AUTO_MAX_N + 8, 64, dtype=torch.bfloat16, device="meta"))
+    static_x = on_cuda(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"))
+    monkeypatch.setenv(ENV, "auto")
+    assert dec.linear_runtime_limit(x, w.t()) == dec.LINEAR_MAX_TOKENS[(9, 0)]
+    assert dec.linear_runtime_limit(x, wide.t()) == 0
+    assert dec.linear_runtime_limit(static_x, w.t()) == 0
+    monkeypatch.setenv(ENV, "on")
+    assert dec.linear_runtime_limit(x, wide.t()) == dec.KERNEL_MAX_TOKENS
+    monkeypatch.setenv(ENV, "off")
+    assert dec.linear_runtime_limit(x, w.t()) == 0
+    assert not shape_env.guards, shape_env.guards
 
 
 def test_mode_is_checked(fm, monkeypatch):

@@ -71,10 +71,6 @@ def _forced_limit(cap: tuple[int, int]) -> int:
     return KERNEL_MAX_TOKENS if cap[0] in _MAJORS and cap >= (8, 0) else 0
 
 
-def _device_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
-
-
 def _aligned(*ts: torch.Tensor) -> bool:
     """Storages start 16-byte aligned, so the offset decides. Not traceable under torch.compile: there the decode
     ops' own check reports a misaligned view (the *_auto ops take the GEMM path instead)."""
@@ -108,10 +104,9 @@ def _token_limit(idx: int, forced: bool, h: int) -> int:
     return _forced_limit(cap) if forced else auto_limit(cap, h)
 
 
-def _limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-           b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> int:
-    """The largest T for which ``gated_mlp``'s inference forward takes the decode op, when everything but the token
-    count and the storages' alignment qualifies; else 0."""
+def _limit(x: torch.Tensor, b_gate: torch.Tensor | None, b_up: torch.Tensor | None,
+           b_down: torch.Tensor | None) -> int:
+    """The cheap half of the decision: the largest T the decode op takes for x on its device (0: none)."""
     if not (_AVAILABLE and x.is_cuda) or b_gate is not None or b_up is not None or b_down is not None:
         return 0
     if x.dtype != torch.bfloat16 and x.dtype != torch.float16:
@@ -122,17 +117,17 @@ def _limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
     h = x.shape[-1]
     if not isinstance(h, int):  # a symbolic hidden size: the other path
         return 0
-    limit = _token_limit(_device_index(x), m == "on", h)
-    if not limit:
-        return 0
+    return _token_limit(x.device.index if x.device.index is not None else torch.cuda.current_device(), m == "on", h)
+
+
+def _operands_fit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """The per-tensor half: one dtype, 2-D contiguous weights, a contiguous x, 16-byte rows (alignment aside)."""
     for w in (w_gate, w_up, w_down):
         if w.dtype != x.dtype or w.dim() != 2 or not w.is_contiguous():
-            return 0
+            return False
     if not x.is_contiguous():
-        return 0
-    if not (statically_known_true(h % 8 == 0) and statically_known_true(w_gate.shape[0] % 8 == 0)):  # 16-byte rows
-        return 0
-    return limit
+        return False
+    return statically_known_true(x.shape[-1] % 8 == 0) and statically_known_true(w_gate.shape[0] % 8 == 0)
 
 
 def _tokens(x: torch.Tensor):
@@ -146,10 +141,10 @@ def use_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
                b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> bool:
     """Run ``gated_mlp``'s inference forward through ``gated_mlp_decode``? x: ``[..., H]`` (any rank; the op takes
     its contiguous [T, H] view), weights as ``gated_mlp`` takes them, no biases."""
-    limit = _limit(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    limit = _limit(x, b_gate, b_up, b_down)
     if not limit or not statically_known_true(_tokens(x) <= limit):  # a symbolic T: False, and no guard added
         return False
-    return _aligned(x, w_gate, w_up, w_down)
+    return _operands_fit(x, w_gate, w_up, w_down) and _aligned(x, w_gate, w_up, w_down)
 
 
 def runtime_limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -157,13 +152,13 @@ def runtime_limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     """Under torch.compile, a token count that is neither known to fit the decode op nor known not to (a symbolic T:
     e.g. the batch dimension Dynamo made dynamic): the limit to pass to ``gated_mlp_auto``, which compares T at run
     time, without a guard or a recompile; else 0 (``use_decode`` or the GEMM path decide when the graph is traced)."""
-    limit = _limit(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    limit = _limit(x, b_gate, b_up, b_down)
     if not limit or not _AUTO_AVAILABLE:
         return 0
     t = _tokens(x)
     if statically_known_true(t <= limit) or statically_known_true(t > limit):
         return 0
-    return limit
+    return limit if _operands_fit(x, w_gate, w_up, w_down) else 0
 
 
 # ---- Linear (no bias) at decode sizes: ``linear_decode(x, w)`` = x [T, K] @ w[N, K]^T, the down pass alone ----------
@@ -200,23 +195,23 @@ def _linear_token_limit(idx: int, forced: bool) -> int:
 
 
 def _linear_limit(x2: torch.Tensor, w_kn: torch.Tensor) -> int:
-    """The largest T for which a bias-free, activation-free inference ``linear`` takes ``linear_decode``, when
-    everything but the token count and the storages' alignment qualifies; else 0."""
+    """The cheap half: the largest T ``linear_decode`` takes for x2 on its device, for w_kn's N (capped in auto; 0:
+    none). ``w_kn`` is 2-D here (both callers have checked)."""
     if not (_LINEAR_AVAILABLE and x2.is_cuda) or (x2.dtype != torch.bfloat16 and x2.dtype != torch.float16):
         return 0
     m = linear_mode()
-    if m == "off":
+    if m == "off" or (m == "auto" and not statically_known_true(w_kn.shape[1] <= LINEAR_AUTO_MAX_N)):
         return 0
-    limit = _linear_token_limit(_device_index(x2), m == "on")
-    if not limit:
-        return 0
-    if w_kn.dtype != x2.dtype or w_kn.dim() != 2 or not x2.is_contiguous() or not w_kn.t().is_contiguous():
-        return 0
-    if m == "auto" and not statically_known_true(w_kn.shape[1] <= LINEAR_AUTO_MAX_N):
-        return 0
-    if not statically_known_true(x2.shape[1] % 8 == 0):  # 16-byte rows
-        return 0
-    return limit
+    return _linear_token_limit(x2.device.index if x2.device.index is not None else torch.cuda.current_device(),
+                               m == "on")
+
+
+def _linear_operands_fit(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
+    """The per-tensor half: one dtype, x2 contiguous, w_kn the transpose of a contiguous [N, K] weight, 16-byte rows
+    (alignment aside)."""
+    if w_kn.dtype != x2.dtype or not x2.is_contiguous() or not w_kn.t().is_contiguous():
+        return False
+    return statically_known_true(x2.shape[1] % 8 == 0)
 
 
 def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
@@ -227,7 +222,7 @@ def use_linear_decode(x2: torch.Tensor, w_kn: torch.Tensor) -> bool:
     limit = _linear_limit(x2, w_kn)
     if not limit or not statically_known_true(x2.shape[0] <= limit):
         return False
-    return _aligned(x2, w_kn)
+    return _linear_operands_fit(x2, w_kn) and _aligned(x2, w_kn)
 
 
 def linear_runtime_limit(x2: torch.Tensor, w_kn: torch.Tensor) -> int:
@@ -239,4 +234,4 @@ def linear_runtime_limit(x2: torch.Tensor, w_kn: torch.Tensor) -> int:
     t = x2.shape[0]
     if statically_known_true(t <= limit) or statically_known_true(t > limit):
         return 0
-    return limit
+    return limit if _linear_operands_fit(x2, w_kn) else 0
