@@ -23,8 +23,10 @@ import datetime as _dt
 import math
 import os
 import platform
+import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -344,6 +346,57 @@ def cuda_graph_times(fns: dict[str, Callable[[], Any]], *, calls: int = 20, roun
         s.sort()
         out[name] = Timing(*(_percentile(s, q) for q in QUANTILES))
     return out
+
+
+class GraphCalls:
+    """``fn`` captured ``calls`` times into one CUDA graph (warmed up on a side stream first, outside the capture);
+    ``out`` holds the last call's outputs, ``times`` the per-call ms of ``measure_graphs``' rounds."""
+
+    def __init__(self, fn: Callable[[], Any], calls: int = 20) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):  # warm-up (compiles, allocator, lazy init) outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(calls):
+                out = fn()
+        self.out = out
+        self.calls = calls
+        self.fn = fn  # keeps the captured inputs alive: a replay reads them (freed inputs faulted at I = 16384)
+        self.times: list[float] = []
+
+
+def measure_graphs(graphs: dict[Any, GraphCalls], rounds: int, seed: int = 0) -> None:
+    """Interleaved rounds: every graph once per round, in a fresh random order, between two CUDA events, one
+    synchronisation per round (the GPU stays busy, as in a decode loop); per-call ms appended to each ``.times``."""
+    keys = list(graphs)
+    for g in graphs.values():  # one untimed replay each (first-replay upload)
+        g.graph.replay()
+    torch.cuda.synchronize()
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(keys)
+        evs = []
+        for k in keys:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[k].graph.replay()
+            b.record()
+            evs.append((k, a, b))
+        torch.cuda.synchronize()
+        for k, a, b in evs:
+            graphs[k].times.append(a.elapsed_time(b) / graphs[k].calls)
+
+
+def round_quantiles(ts: Sequence[float]) -> tuple[float, float, float]:
+    """p20, median, p80 of per-round times."""
+    s = sorted(ts)
+    q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+    return q[1], statistics.median(s), q[7]
 
 
 def synchronize(device: str) -> None:

@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
+    GraphCalls,
     DTYPES,
     ROOT,
     ResultWriter,
@@ -56,7 +55,9 @@ from bench_lib import (  # noqa: E402
     load_kernel,
     log,
     max_abs_err,
+    measure_graphs,
     out_mirror,
+    round_quantiles,
     two_x_rule,
 )
 
@@ -100,53 +101,6 @@ def rms_bwd_plain(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, w: torc
 
 
 # ---- graphs and timing ------------------------------------------------------------------------------------------
-
-
-class Graph:
-    """``fn`` captured CALLS times into one CUDA graph; ``out`` holds the last call's outputs."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):  # warm-up (compiles, allocator, lazy init) outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for _ in range(CALLS):
-                out = fn()
-        self.out = out
-        self.fn = fn  # keeps the captured inputs alive: a replay reads them (freed inputs faulted at I = 16384)
-        self.times: list[float] = []
-
-
-def measure(graphs: dict[Any, Graph], rounds: int) -> None:
-    """Interleaved rounds: every graph once per round, in a fresh random order; per-call ms appended to .times."""
-    keys = list(graphs)
-    for g in graphs.values():  # one untimed replay each (first-replay upload)
-        g.graph.replay()
-    torch.cuda.synchronize()
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(keys)
-        evs = []
-        for k in keys:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graphs[k].graph.replay()
-            b.record()
-            evs.append((k, a, b))
-        torch.cuda.synchronize()
-        for k, a, b in evs:
-            graphs[k].times.append(a.elapsed_time(b) / CALLS)
-
-
-def quantiles(ts: Sequence[float]) -> tuple[float, float, float]:
-    s = sorted(ts)
-    q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
-    return q[1], statistics.median(s), q[7]
 
 
 # ---- providers ------------------------------------------------------------------------------------------------------
@@ -234,7 +188,7 @@ def run_group(fm, writer: ResultWriter, compiled: Compiled, op: str, n: int, ms:
     """All row counts x providers of one (op, N): capture, measure interleaved, write rows. -> {(M, provider): us}."""
     dtype = DTYPES[dtype_name]
     kind = "act" if op in ACT_OPS else "rms"
-    graphs: dict[tuple[int, str], Graph] = {}
+    graphs: dict[tuple[int, str], GraphCalls] = {}
     checks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for m in ms:
         ours, anchor, ref, same = (act_case if kind == "act" else rms_case)(fm, op, m, n, dtype, compiled)
@@ -242,19 +196,19 @@ def run_group(fm, writer: ResultWriter, compiled: Compiled, op: str, n: int, ms:
             os.environ[KNOB[kind]] = value
             if provider.endswith("_nopdl"):  # the few-rows kernel launched without programmatic dependent launch
                 os.environ[PDL_KNOB[kind]] = "0"
-            graphs[(m, provider)] = Graph(ours)
+            graphs[(m, provider)] = GraphCalls(ours, CALLS)
             os.environ.pop(PDL_KNOB[kind], None)
         os.environ[KNOB[kind]] = "auto"
         try:
-            graphs[(m, "inductor")] = Graph(anchor)
+            graphs[(m, "inductor")] = GraphCalls(anchor, CALLS)
         except Exception as e:  # noqa: BLE001 - an anchor that cannot compile here is reported, not fatal
             log(f"  {op} M={m} N={n}: inductor failed: {type(e).__name__}: {str(e)[:200]}")
         checks[(m, "ref")] = (ref, same)
-    measure(graphs, rounds)
+    measure_graphs(graphs, rounds)
     result: dict[tuple[int, str], float] = {}
     elem = torch.empty((), dtype=dtype).element_size()
     for (m, provider), g in graphs.items():
-        p20, p50, p80 = quantiles(g.times)
+        p20, p50, p80 = round_quantiles(g.times)
         ref, same = checks[(m, "ref")]
         err = max_abs_err(first(g.out), ref)
         ok = two_x_rule(err, max_abs_err(same, ref), dtype)
@@ -277,7 +231,7 @@ def run_group(fm, writer: ResultWriter, compiled: Compiled, op: str, n: int, ms:
 def run_bwd(fm, writer: ResultWriter, compiled: Compiled, n: int, dtype_name: str, rounds: int) -> None:
     dtype = DTYPES[dtype_name]
     ops = fm._ops.ops
-    graphs: dict[tuple[int, str], Graph] = {}
+    graphs: dict[tuple[int, str], GraphCalls] = {}
     for m in BWD_M:
         g = torch.Generator(device="cuda").manual_seed(m + n)
         x = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
@@ -285,13 +239,13 @@ def run_bwd(fm, writer: ResultWriter, compiled: Compiled, n: int, dtype_name: st
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
         mark_tokens_dynamic(x, dy, rstd)
-        graphs[(m, "ours")] = Graph(lambda: ops.rms_norm_bwd(dy, x, rstd, w, None, 0.0, dtype, True))
+        graphs[(m, "ours")] = GraphCalls(lambda: ops.rms_norm_bwd(dy, x, rstd, w, None, 0.0, dtype, True), CALLS)
         ind = compiled.get(("rms_norm_bwd", n, m == 1), rms_bwd_plain)
-        graphs[(m, "inductor")] = Graph(lambda: ind(dy, x, rstd, w))
-    measure(graphs, rounds)
+        graphs[(m, "inductor")] = GraphCalls(lambda: ind(dy, x, rstd, w), CALLS)
+    measure_graphs(graphs, rounds)
     log(f"rms_norm_bwd N={n} ({dtype_name}), us per call (CUDA graph):  M: ours / inductor")
     for m in BWD_M:
-        t = {p: quantiles(graphs[(m, p)].times) for p in ("ours", "inductor")}
+        t = {p: round_quantiles(graphs[(m, p)].times) for p in ("ours", "inductor")}
         for p, (p20, p50, p80) in t.items():
             writer.add(op="rms_norm", provider=p if p == "inductor" else "ours", role="anchor" if p == "inductor"
                        else "ours", source="crossover.py", mode="bwd_graph", dtype=dtype_name, shape=f"M={m},N={n}",

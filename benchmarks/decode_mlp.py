@@ -151,17 +151,8 @@ def run_check(fm) -> int:
 
 
 def capture(fn, calls: int = CALLS_PER_GRAPH) -> torch.cuda.CUDAGraph:
-    """`calls` calls of fn() in one CUDA graph (warmed up on a side stream first, as torch's docs do)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    """`calls` calls of fn() in one CUDA graph (bench_lib.GraphCalls: warmed up on a side stream first)."""
+    g = bl.GraphCalls(fn, calls).graph
     torch.cuda.synchronize()
     return g
 

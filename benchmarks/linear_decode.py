@@ -11,7 +11,8 @@ Method (as crossover.py). Each (shape, T, provider) is captured once into a CUDA
 replays each graph of a shape once, in a fresh random order, between two CUDA events; time per call = median over
 rounds / 20. Besides each projection alone (q, k, v, o and the lm_head), ``layer`` rows time one decoder layer's four
 projections in a row (q, k, v from x; o from the attention output), where the op's programmatic dependent launch lets
-a projection's weight prefetch overlap the previous one. ``ours_nopdl`` is the op without it (FUSED_MLP_DECODE_TUNE=pdl=0).
+a projection's weight prefetch overlap the previous one. ``ours_nopdl`` is the op without it
+(FUSED_MLP_DECODE_TUNE=pdl=0). Capture and rounds: bench_lib.GraphCalls / measure_graphs (crossover.py's method).
 
 Writes ``<results-root>/<device-slug>/linear_decode.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per call) and
 ``linear_decode.png`` next to it (plot.py), and prints per shape the time per T and the ratio op / cuBLAS (below 1:
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
+    GraphCalls,
     DTYPES,
     ROOT,
     ResultWriter,
@@ -43,8 +43,10 @@ from bench_lib import (  # noqa: E402
     load_kernel,
     log,
     max_abs_err,
+    measure_graphs,
     out_mirror,
     read_rows,
+    round_quantiles,
     two_x_rule,
 )
 
@@ -59,57 +61,11 @@ TUNE = "FUSED_MLP_DECODE_TUNE"
 PROVIDERS = (("ours", "on", ""), ("ours_nopdl", "on", "pdl=0"), ("ours_gemm", "off", ""), ("cublas", None, ""))
 
 
-class Graph:
-    """``fn`` captured CALLS times into one CUDA graph; ``out`` holds the last call's output."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for _ in range(CALLS):
-                out = fn()
-        self.out = out
-        self.fn = fn
-        self.times: list[float] = []
-
-
-def measure(graphs: dict[Any, Graph], rounds: int) -> None:
-    keys = list(graphs)
-    for g in graphs.values():
-        g.graph.replay()
-    torch.cuda.synchronize()
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(keys)
-        evs = []
-        for k in keys:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graphs[k].graph.replay()
-            b.record()
-            evs.append((k, a, b))
-        torch.cuda.synchronize()
-        for k, a, b in evs:
-            graphs[k].times.append(a.elapsed_time(b) / CALLS)
-
-
-def quantiles(ts: Sequence[float]) -> tuple[float, float, float]:
-    s = sorted(ts)
-    q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
-    return q[1], statistics.median(s), q[7]
-
-
 def capture(fm, provider: str, mode: str | None, tune: str, fn_ours: Callable[[], Any],
-            fn_torch: Callable[[], Any]) -> Graph:
+            fn_torch: Callable[[], Any]) -> GraphCalls:
     """The op's choice is made per call (env read in eager mode), so a graph records what was set at capture."""
     if mode is None:
-        return Graph(fn_torch)
+        return GraphCalls(fn_torch, CALLS)
     saved = {k: os.environ.get(k) for k in (ENV, TUNE)}
     os.environ[ENV] = mode
     if tune:
@@ -117,7 +73,7 @@ def capture(fm, provider: str, mode: str | None, tune: str, fn_ours: Callable[[]
     else:
         os.environ.pop(TUNE, None)
     try:
-        return Graph(fn_ours)
+        return GraphCalls(fn_ours, CALLS)
     finally:
         for k, v in saved.items():  # the caller's settings back
             if v is None:
@@ -136,7 +92,7 @@ def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_nam
 
     weights = {"q": w(q, h), "k": w(kv, h), "v": w(kv, h), "o": w(h, q), "lm_head": w(vocab, h)}
     proj = ("q", "k", "v", "o")
-    graphs: dict[tuple[str, int, str], Graph] = {}
+    graphs: dict[tuple[str, int, str], GraphCalls] = {}
     checks: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
         for t in ts:
@@ -156,11 +112,11 @@ def run_model(fm, writer: ResultWriter, model: str, ts: Sequence[int], dtype_nam
             for prov, mode, tune in PROVIDERS:
                 graphs[("layer", t, prov)] = capture(fm, prov, mode, tune, lambda: layer(fm.linear),
                                                      lambda: layer(F.linear))
-    measure(graphs, rounds)
+    measure_graphs(graphs, rounds)
     res: dict[tuple[str, int, str], float] = {}
     elem = torch.empty((), dtype=dtype).element_size()
     for (name, t, prov), gr in graphs.items():
-        p20, p50, p80 = quantiles(gr.times)
+        p20, p50, p80 = round_quantiles(gr.times)
         ref, same = checks[(name, t)]
         err = max_abs_err(gr.out, ref)
         ok = two_x_rule(err, max_abs_err(same, ref), dtype)

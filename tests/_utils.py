@@ -133,3 +133,30 @@ def spy_mlp_ops(fm, monkeypatch) -> list[str]:
     monkeypatch.setattr(mod, "ops", Recorder())
     return called
 
+
+def compile_static_then_dynamic(f, static_x: torch.Tensor, token_counts, make_x):
+    """``f`` under torch.compile(fullgraph=True) with a backend that records each graph's code, twice, without grad:
+    at ``static_x``'s concrete shape (dynamic=False), then over ``make_x(t)`` for each t in ``token_counts`` with only
+    dim 1 (the tokens) marked dynamic and a recompile an error. Returns (static graphs, static output, dynamic graphs,
+    [(t, x, output)])."""
+    graphs: list[str] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(f, fullgraph=True, dynamic=False, backend=backend)(static_x)
+    static_graphs = list(graphs)
+    torch._dynamo.reset()
+    graphs.clear()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    runs = []
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for t in token_counts:
+            x = make_x(t)
+            torch._dynamo.mark_dynamic(x, 1)
+            runs.append((t, x, compiled(x)))
+    torch._dynamo.reset()
+    return static_graphs, out, list(graphs), runs

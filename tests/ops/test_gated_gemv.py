@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule, spy_mlp_ops
+from _utils import assert_2x_rule, compile_static_then_dynamic, spy_mlp_ops
 from conftest import CUDA
 
 SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
@@ -247,44 +247,30 @@ def test_gated_mlp_takes_the_op_for_3d_input(fm, monkeypatch, act):
 @needs_gpu
 def test_gated_mlp_under_compile(fm, monkeypatch):
     """fullgraph at a concrete T: the op is in the graph and the result is eager's, bit for bit. With a symbolic T
-    (the token dimension marked dynamic) ``gated_mlp_auto`` is traced and no guard on T is added (no recompile at another T): up to the
-    limit it runs the decode op (eager's bits), above it the GEMM path (2x rule)."""
+    (the token dimension marked dynamic) ``gated_mlp_auto`` is traced and no guard on T is added (no recompile at
+    another T): up to the limit it runs the decode op (eager's bits), above it the GEMM path (2x rule)."""
     monkeypatch.setenv(ENV, "on")
     monkeypatch.delenv(TUNE, raising=False)
-    (wg, wu, wd), _ = weights(136, 520, 24, torch.bfloat16)
+    w, w32 = weights(136, 520, 24, torch.bfloat16)
 
     def f(a):
-        return fm.gated_mlp(a, wg, wu, wd, activation="gelu_tanh")
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
+        return fm.gated_mlp(a, *w, activation="gelu_tanh")
 
     x = tokens(6, 136, torch.bfloat16).view(2, 3, 136)
-    torch._dynamo.reset()
     with torch.no_grad():
         eager = f(x)
-        out = torch.compile(f, fullgraph=True, dynamic=False, backend=backend)(x)
-    assert len(graphs) == 1 and "gated_mlp_decode" in graphs[0], graphs
+    static, out, dynamic, runs = compile_static_then_dynamic(
+        f, x, (4, 9, 70), lambda t: tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136))
+    assert len(static) == 1 and "gated_mlp_decode" in static[0], static
     assert torch.equal(out, eager)
-    torch._dynamo.reset()
-    graphs.clear()
-    compiled = torch.compile(f, fullgraph=True, backend=backend)  # only the token dimension dynamic, as in decode
-    _, w32 = weights(136, 520, 24, torch.bfloat16)
-    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
-        for t in (4, 9, 70):
-            xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
-            torch._dynamo.mark_dynamic(xt, 1)
-            y = compiled(xt)
-            assert y.shape == (2, t, 24)
-            if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+    for t, xt, y in runs:
+        assert y.shape == (2, t, 24)
+        if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+            with torch.no_grad():
                 assert torch.equal(y, f(xt)), t
-            else:
-                assert_2x_rule(y, ref32(xt, w32, "gelu_tanh"), same_dtype(xt, (wg, wu, wd), "gelu_tanh"), name="y")
-    assert len(graphs) == 1 and "gated_mlp_auto" in graphs[0] and "gated_mlp_decode" not in graphs[0], graphs
-    torch._dynamo.reset()
+        else:
+            assert_2x_rule(y, ref32(xt, w32, "gelu_tanh"), same_dtype(xt, w, "gelu_tanh"), name="y")
+    assert len(dynamic) == 1 and "gated_mlp_auto" in dynamic[0] and "gated_mlp_decode" not in dynamic[0], dynamic
 
 
 @needs_gpu

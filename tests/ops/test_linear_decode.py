@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule
+from _utils import assert_2x_rule, compile_static_then_dynamic
 from conftest import CUDA
 
 SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
@@ -228,39 +228,26 @@ def test_linear_under_compile(fm, monkeypatch):
     ``linear_auto`` without a guard on T (the GEMV up to the limit: eager's bits; the GEMM above it)."""
     monkeypatch.setenv(ENV, "on")
     monkeypatch.delenv(TUNE, raising=False)
-    w, _ = weight(136, 40, torch.bfloat16)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
+    w, w32 = weight(136, 40, torch.bfloat16)
 
     def f(a):
         return fm.linear(a, w)
 
     x = tokens(6, 136, torch.bfloat16).view(2, 3, 136)
-    torch._dynamo.reset()
     with torch.no_grad():
         eager = f(x)
-        out = torch.compile(f, fullgraph=True, dynamic=False, backend=backend)(x)
-    assert len(graphs) == 1 and "linear_decode" in graphs[0], graphs
+    static, out, dynamic, runs = compile_static_then_dynamic(
+        f, x, (4, 9, 70), lambda t: tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136))
+    assert len(static) == 1 and "linear_decode" in static[0], static
     assert torch.equal(out, eager)
-    torch._dynamo.reset()
-    graphs.clear()
-    compiled = torch.compile(f, fullgraph=True, backend=backend)  # only the token dimension dynamic, as in decode
-    _, w32 = weight(136, 40, torch.bfloat16)
-    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
-        for t in (4, 9, 70):
-            xt = tokens(2 * t, 136, torch.bfloat16, seed=t).view(2, t, 136)
-            torch._dynamo.mark_dynamic(xt, 1)
-            y = compiled(xt)
-            assert y.shape == (2, t, 40)
-            if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+    for t, xt, y in runs:
+        assert y.shape == (2, t, 40)
+        if 2 * t <= fm._decode.KERNEL_MAX_TOKENS:  # "on": the kernel's limit
+            with torch.no_grad():
                 assert torch.equal(y, f(xt)), t
-            else:
-                assert_2x_rule(y, F.linear(xt.float(), w32), F.linear(xt, w), name="y")
-    assert len(graphs) == 1 and "linear_auto" in graphs[0] and "linear_decode" not in graphs[0], graphs
-    torch._dynamo.reset()
+        else:
+            assert_2x_rule(y, F.linear(xt.float(), w32), F.linear(xt, w), name="y")
+    assert len(dynamic) == 1 and "linear_auto" in dynamic[0] and "linear_decode" not in dynamic[0], dynamic
 
 
 @needs_gpu

@@ -99,15 +99,31 @@ except ImportError:  # pragma: no cover - older torch
         return bool(cond) if not isinstance(cond, torch.SymBool) else False
 
 
+def env_mode(env: str, modes: tuple[str, ...]) -> str:
+    """An environment switch: lower-cased, "auto" when unset or empty; ValueError for a value outside ``modes``."""
+    import os
+
+    m = os.environ.get(env, "auto").strip().lower() or "auto"
+    if m not in modes:
+        raise ValueError(f"{env} must be one of {modes}, got {m!r}")
+    return m
+
+
+# Compute capability per device index, read once (the dispatch tables of _epilogue.py and _decode.py are keyed by it).
+CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(idx: int) -> tuple[int, int]:
+    cap = CAPABILITY.get(idx)
+    if cap is None:
+        cap = CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap
+
+
 @torch.compiler.assume_constant_result
 def compile_mode() -> str:
     """FUSED_MLP_UNDER_COMPILE (read when a graph is traced): "auto" (the table above), "kernel", "decompose"."""
-    import os
-
-    m = os.environ.get(COMPILE_ENV, "auto").strip().lower() or "auto"
-    if m not in COMPILE_MODES:
-        raise ValueError(f"{COMPILE_ENV} must be one of {COMPILE_MODES}, got {m!r}")
-    return m
+    return env_mode(COMPILE_ENV, COMPILE_MODES)
 
 
 def decompose_under_compile(op: str, x: torch.Tensor) -> bool:

@@ -18,11 +18,10 @@ table's limit at run time and runs either the decode kernels or the GEMM path (`
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ._common import CAPABILITY, device_capability, env_mode
 from ._ops import add_op_namespace_prefix, ops
 
 ENV = "FUSED_MLP_DECODE_MLP"
@@ -39,7 +38,7 @@ _MAJORS = (8, 9, 10, 12)
 
 _AVAILABLE = hasattr(ops, "gated_mlp_decode")  # every build registers the schema; only CUDA builds implement it
 _AUTO_AVAILABLE = hasattr(ops, "gated_mlp_auto")
-_CAPABILITY: dict[int, tuple[int, int]] = {}
+_CAPABILITY = CAPABILITY  # (the shared per-device cache; tests patch it here)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("gated_mlp_decode"))
@@ -50,20 +49,6 @@ def _gated_mlp_decode_fake(x, w_gate, w_up, w_down, activation):
 @torch.library.register_fake(add_op_namespace_prefix("gated_mlp_auto"))
 def _gated_mlp_auto_fake(x, w_gate, w_up, w_down, activation, max_tokens):
     return x.new_empty((x.shape[0], w_down.shape[0]))
-
-
-def _read_mode(env: str) -> str:
-    m = os.environ.get(env, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{env} must be one of {MODES}, got {m!r}")
-    return m
-
-
-def _capability(idx: int) -> tuple[int, int]:
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return cap
 
 
 def _forced_limit(cap: tuple[int, int]) -> int:
@@ -85,7 +70,7 @@ def _aligned(*ts: torch.Tensor) -> bool:
 # The environment and device queries are constants to torch.compile (evaluated when the graph is traced).
 @torch.compiler.assume_constant_result
 def mode() -> str:
-    return _read_mode(ENV)
+    return env_mode(ENV, MODES)
 
 
 def auto_limit(cap: tuple[int, int], h: int) -> int:
@@ -100,7 +85,7 @@ def auto_limit(cap: tuple[int, int], h: int) -> int:
 def _token_limit(idx: int, forced: bool, h: int) -> int:
     """The largest T the op takes on device ``idx`` for hidden size ``h``: the table's entry (auto), the kernel's limit
     (forced on) where the capability is supported, else 0."""
-    cap = _capability(idx)
+    cap = device_capability(idx)
     return _forced_limit(cap) if forced else auto_limit(cap, h)
 
 
@@ -185,12 +170,12 @@ def _linear_auto_fake(x, w, max_tokens):
 
 @torch.compiler.assume_constant_result
 def linear_mode() -> str:
-    return _read_mode(LINEAR_ENV)
+    return env_mode(LINEAR_ENV, MODES)
 
 
 @torch.compiler.assume_constant_result
 def _linear_token_limit(idx: int, forced: bool) -> int:
-    cap = _capability(idx)
+    cap = device_capability(idx)
     return _forced_limit(cap) if forced else LINEAR_MAX_TOKENS.get(cap, 0)
 
 

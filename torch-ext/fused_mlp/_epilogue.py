@@ -24,13 +24,11 @@ agree within the "2x the same-dtype PyTorch error" rule: both paths round each s
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._ops import ops
-
+from ._common import CAPABILITY, device_capability, env_mode
 from ._common import statically_true as _known_true  # sizes decide without adding a guard (symbolic: False)
+from ._ops import ops
 
 ENV = "FUSED_MLP_GEMM_EPILOGUE"
 MODES = ("auto", "on", "off", "fwd", "bwd")  # fwd / bwd: only that pass fused (benchmarks)
@@ -62,17 +60,14 @@ def in_table(pass_: str, t, i, h) -> bool:
                and _known_true(h >= r[3]) and _known_true(h <= r[4]) for r in DISPATCH.get(pass_, ()))
 
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
+_CAPABILITY = CAPABILITY  # (the shared per-device cache; tests patch it here)
 
 
 # The two environment queries are constants to torch.compile (evaluated when the graph is traced, as a module
 # attribute would be), so the dispatch works inside torch.compile(fullgraph=True).
 @torch.compiler.assume_constant_result
 def mode() -> str:
-    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {m!r}")
-    return m
+    return env_mode(ENV, MODES)
 
 
 _AVAILABLE = hasattr(ops, "gated_gemm_fwd")  # every build registers the schema; only CUDA builds implement it
@@ -84,10 +79,7 @@ def available() -> bool:
 
 @torch.compiler.assume_constant_result
 def _is_sm90(idx: int) -> bool:
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return cap == (9, 0)
+    return device_capability(idx) == (9, 0)
 
 
 def _runnable(tensors: tuple[torch.Tensor, ...]) -> bool:
