@@ -477,7 +477,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "GPU 330, CPU 1800); skipped cells are written as such")
     p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--csv-name", default="decode.csv")
-    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's models")
+    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's (model, cache) rows")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the plan and a rough H200 time estimate")
     args = p.parse_args(argv)
@@ -562,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slug = device_slug(env)
     out = Path(args.results_root) / slug / args.csv_name
     writer = ResultWriter(out, env, merge=not args.fresh, mirror=out_mirror(slug, args.csv_name), columns=COLUMNS,
-                          key=lambda r: (r.get("model", ""), r.get("dtype", "")))
+                          key=lambda r: (r.get("model", ""), r.get("cache", ""), r.get("dtype", "")))
     log(f"fused-mlp decode: {env['device_name']} ({device}), torch {env['torch']}, transformers {env['transformers']}, "
         f"kernels {env['kernels']}, kernel {env['kernel_build']}, git {env['git_rev']}; models {args.model_names}, "
         f"batches {args.batches}, caches {args.caches}, {args.rounds} rounds, {args.prompt_len} + {args.new_tokens} "
