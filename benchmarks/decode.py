@@ -15,7 +15,7 @@ heads of 256, vocab 256000), Qwen3-1.7B (hidden 2048, SwiGLU 6144, 28 layers, 16
 151936). ``--quick`` builds 2-layer fp32 versions (hidden 64) of each. Kernelized the way a user does it:
 ``kernels.kernelize(model, mode=Mode.INFERENCE [| Mode.TORCH_COMPILE for the compiled cell], device=...)`` with
 this checkout's ``RMSNorm``, ``GemmaRMSNorm``, ``GeGLUMLP`` and ``Linear`` (inference: bias-free projections at
-T <= 16 take the decode GEMV) through ``LocalLayerRepository``; the classes transformers does not decorate (the Gemma
+T <= 8 take the decode GEMV) through ``LocalLayerRepository``; the classes transformers does not decorate (the Gemma
 norm, the three MLPs, ``nn.Linear``) are opted in with ``replace_kernel_forward_from_hub`` and untagged afterwards.
 
 Method:

@@ -2,7 +2,7 @@
 """Plots from the benchmark CSVs: per (op, mode, dtype), throughput vs shape for every provider, the ceiling measured
 in the same run as a dashed line and recorded anchors as dotted lines; below it, ours' speedup over each anchor as
 bars. The e2e CSV gets time and peak-memory bars per provider; decode.csv ms per token per model, batch and cache;
-linear_decode.csv time per call against T per model.
+linear_decode.csv time per call against T per model; decode_stack.csv time per layer / cuBLAS against T.
 
     python benchmarks/plot.py benchmarks/results/nvidia-h200/sweep.csv         # PNGs next to the CSV
     python benchmarks/plot.py <csv> --out-dir <dir> --ops rms_norm,geglu_mlp
@@ -257,6 +257,45 @@ def plot_linear_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
     return path
 
 
+def plot_decode_stack(rows: list[dict[str, str]], out: Path) -> Path | None:
+    """``decode_stack.csv`` (benchmarks/decode_stack.py): per model, time per layer / cuBLAS's against T for the decode
+    projections (``lin``), the decode MLP (``mlp``) and both; below 1 the decode kernels are faster."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("op", "").startswith("decode_stack_")
+          and fnum(r.get("time_p50_ms"))]
+    models = sorted({r["op"][len("decode_stack_"):] for r in ok})
+    if not models:
+        return None
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    for col, model in enumerate(models):
+        ax = axes[0, col]
+        val = {(r["provider"], int(r["T"])): fnum(r["time_p50_ms"]) for r in ok if r["op"] == f"decode_stack_{model}"}
+        ts = sorted({t for _, t in val})
+        for prov, color, marker in (("lin", "#1f77b4", "o"), ("mlp", "#ff7f0e", "s"), ("both", "#2ca02c", "^")):
+            pts = [(t, val[(prov, t)] / val[("cublas", t)]) for t in ts if (prov, t) in val and ("cublas", t) in val]
+            if pts:
+                ax.plot([t for t, _ in pts], [v for _, v in pts], color=color, marker=marker, label=f"{prov} / cublas")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(ts)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("time per layer / cuBLAS path")
+        ax.set_title(model, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    first = ok[0]
+    fig.suptitle(f"decode kernels in a {first.get('L')}-layer stack (distinct weights, CUDA graph; < 1 is faster) · "
+                 f"{first.get('device_name')}, {first.get('dtype')}", fontsize=10)
+    fig.tight_layout()
+    path = out / "decode_stack.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", type=Path)
@@ -280,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if rows and all(r.get("source") == "linear_decode.py" for r in rows):  # benchmarks/linear_decode.py's CSV
             path = plot_linear_decode(rows, out)
+            if path:
+                print(f"wrote {path}")
+            continue
+        if rows and all(r.get("source") == "decode_stack.py" for r in rows):  # benchmarks/decode_stack.py's CSV
+            path = plot_decode_stack(rows, out)
             if path:
                 print(f"wrote {path}")
             continue
