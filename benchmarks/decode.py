@@ -33,7 +33,8 @@ Method:
   ``compile_s`` = warm-up long call - the median long call (compilation + CUDA-graph recording).
 * Dynamo keeps its default automatic dynamic shapes, as a user's process gets them: batch 1 compiles a static graph,
   the next batch size a graph with a dynamic batch dimension that later sizes reuse (CUDA graphs are recorded per
-  size). ``--static-shapes`` specialises every batch size instead (one more compile per size). Compiled graphs are
+  size): batch 4 is the first cell of that graph, where its decode kernels run by T at run time (T <= 8), 16 and
+  64 take the GEMM path in it. ``--static-shapes`` specialises every batch size instead (one more compile per size). Compiled graphs are
   kept across rounds; ``torch._dynamo.reset()`` between models (transformers' forward wrapper is one code object for
   every model class, and each model instance is one more cache entry on it).
 * Tokens: ``tokens_equal`` is the fraction of generated tokens equal to the plain model's in the same cell (same
@@ -43,7 +44,7 @@ Method:
 * Per row also: Dynamo graph breaks, graphs compiled and Inductor's CUDA-graph skips counted over that provider's
   calls in the cell (``torch._dynamo.utils.counters``).
 
-Writes ``<results-root>/<device-slug>/decode.csv`` (rows of models not run are kept; copied to ``$OUT/<slug>/`` when
+Writes ``<results-root>/<device-slug>/decode.csv`` (rows of (model, cache) pairs not run are kept; copied to ``$OUT/<slug>/`` when
 ``$OUT`` is set) and ``decode.png`` next to it; prints a table with the ratios.
 """
 
@@ -455,7 +456,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: llama3_2_1b,gemma2b; "
                    "--quick: all three, tiny)")
-    p.add_argument("--batches", default=None, help="comma list (default 1,16,64; --quick 1,2)")
+    p.add_argument("--batches", default=None, help="comma list (default 1,4,16,64; --quick 1,2)")
     p.add_argument("--caches", default=",".join(CACHES), help="comma list of static (compiled), dynamic (eager)")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 5; --quick 2)")
@@ -486,7 +487,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.model_names if m not in MODELS]
     if unknown:
         p.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
-    args.batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,16,64")).split(",")]
+    args.batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,4,16,64")).split(",")]
     args.caches = [c for c in args.caches.split(",") if c]
     args.providers = [q for q in args.providers.split(",") if q]
     if any(c not in CACHES for c in args.caches) or any(q not in PROVIDERS for q in args.providers):

@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                        + " ".join(f"{row[f'ours_decode:{v}'] / row['ours_decode']:.3f}" if f"ours_decode:{v}" in row
                                   else "-" for row in times.values()))
     crosses = [crossover(s[5]) for s in summary]
-    bl.log(f"\nsuggested _decode.MAX_TOKENS entry for this GPU: {min(crosses)} (per shape {crosses})")
+    bl.log(f"\none-layer crossover: {min(crosses)} (per shape {crosses}); _decode.MAX_TOKENS comes from "
+           "decode_stack.py (a stack of layers, weights from HBM)")
     gemma = [s for s in summary if s[0] == "gemma-2b"]
     if gemma:
         worst = max(v["ours"] for t, v in gemma[0][5].items() if t <= 16)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Bias-free Linear at decode sizes: CUDA-graph device time of ``linear_decode`` (gated_gemv.cu's down pass alone)
 against the cuBLAS path (``F.linear``; Inductor calls the same extern mm for it) and our own GEMM path (``linear`` with
-``FUSED_MLP_LINEAR_DECODE=off``: cuBLASLt with one rounding), per token count. ``_decode.LINEAR_MAX_TOKENS`` and
-``LINEAR_AUTO_MAX_N`` (the "auto" table) come from it: docs/tuning-log.md#linear-decode.
+``FUSED_MLP_LINEAR_DECODE=off``: cuBLASLt with one rounding), per token count. ``_decode.LINEAR_AUTO_MAX_N`` comes from it
+(docs/tuning-log.md#linear-decode); the T limit ``LINEAR_MAX_TOKENS`` from decode_stack.py, which reads every layer's
+weights from HBM where these graphs replay one layer's (docs/tuning-log.md#decode-stack).
 
     python benchmarks/linear_decode.py --quick     # T in {1, 4, 16, 64}, Llama-3.2-1B's projections (~1 min)
     python benchmarks/linear_decode.py             # T in {1, 2, 4, ..., 64}, Llama-3.2-1B / Llama-3-8B / Gemma-2B
