@@ -567,6 +567,39 @@ def out_mirror(slug: str, name: str) -> Path | None:
     return Path(out) / slug / name if out else None
 
 
+def add_result_args(p: Any, csv_name: str, *, plot: bool = True,
+                    fresh_help: str = "start a new CSV instead of replacing only this run's ops") -> None:
+    """The output options of the GPU benchmarks that write one CSV (and a plot) under
+    ``<results-root>/<device-slug>/``: --kernel, --results-root, --csv-name, --fresh (and --no-plot)."""
+    p.add_argument("--kernel", default=str(ROOT), help="checkout path or Hub repo id (default: this checkout)")
+    p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--csv-name", default=csv_name)
+    p.add_argument("--fresh", action="store_true", help=fresh_help)
+    if plot:
+        p.add_argument("--no-plot", action="store_true")
+
+
+def result_writer(args: Any, env: dict[str, str], **kw: Any) -> ResultWriter:
+    """The ResultWriter of ``add_result_args``' options: ``<results-root>/<device-slug>/<csv-name>``, merged unless
+    --fresh, mirrored under $OUT; ``kw`` goes to ResultWriter (columns, key)."""
+    slug = device_slug(env)
+    return ResultWriter(Path(args.results_root) / slug / args.csv_name, env, merge=not args.fresh,
+                        mirror=out_mirror(slug, args.csv_name), **kw)
+
+
+def draw_plot(name: str, csv_path: Path) -> None:
+    """``plot.<name>`` of the CSV's rows, the PNG next to it; without matplotlib the CSV is the result."""
+    try:
+        import plot
+
+        path = getattr(plot, name)(read_rows(csv_path), csv_path.parent)
+    except ImportError as e:
+        log(f"no plot: {e}")
+        return
+    if path:
+        log(f"wrote {path}")
+
+
 def read_rows(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))

@@ -46,17 +46,16 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
-    GraphCalls,
     DTYPES,
-    ROOT,
+    GraphCalls,
     ResultWriter,
+    add_result_args,
     collect_env,
-    device_slug,
     load_kernel,
     log,
     max_abs_err,
     measure_graphs,
-    out_mirror,
+    result_writer,
     round_quantiles,
     two_x_rule,
 )
@@ -290,10 +289,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16, fp32 (default bf16)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 15 quick, 40 full)")
     p.add_argument("--configs", action="store_true", help="also each packs-per-thread (rms) / block size (act)")
-    p.add_argument("--kernel", default=str(ROOT), help="checkout path or Hub repo id (default: this checkout)")
-    p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--csv-name", default="crossover.csv")
-    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
+    add_result_args(p, "crossover.csv", plot=False)
     return p.parse_args(argv)
 
 
@@ -317,11 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fm = load_kernel(args.kernel)
     env = collect_env("cuda", fm)
-    slug = device_slug(env)
-    out = Path(args.results_root) / slug / args.csv_name
-    writer = ResultWriter(out, env, merge=not args.fresh, mirror=out_mirror(slug, args.csv_name))
+    writer = result_writer(args, env)
     log(f"fused-mlp crossover: {env['device_name']}, torch {env['torch']}, kernel {env['kernel_build']}, "
-        f"git {env['git_rev']}; writing {out}; {rounds} rounds of CUDA graphs of {CALLS} calls")
+        f"git {env['git_rev']}; writing {writer.path}; {rounds} rounds of CUDA graphs of {CALLS} calls")
     compiled = Compiled()
     for dtype_name in dtypes:
         for op in ops:

@@ -7,6 +7,7 @@ docs/tuning-log.md#decode-stack.
 
     python benchmarks/decode_stack.py            # Llama-3.2-1B / Gemma-2B / Llama-3-8B, T in {1, 2, 3, 4, 6, 8, 12, 16}
     python benchmarks/decode_stack.py --quick    # Llama-3.2-1B, T in {1, 8, 16}
+    python benchmarks/decode_stack.py --tunes "gu_wk=8;lin_wk=4"   # also the kernels under FUSED_MLP_DECODE_TUNE
 
 Why a stack: linear_decode.py and decode_mlp.py replay one layer's weights, which then sit partly in L2 (50 MB on an
 H200; a Llama-3.2-1B layer's projections are 21 MB). In a model every layer's weights come from HBM, and there the
@@ -16,7 +17,9 @@ Providers (bf16, no autograd): ``cublas`` (``F.linear`` for every GEMM and the a
 model and Inductor's extern mm run), ``lin`` (``linear_decode`` for q, k, v, o; cuBLAS MLP), ``mlp`` (cuBLAS
 projections; ``gated_mlp_decode``), ``both``. Each provider's pass over the L layers is one CUDA graph; rounds replay
 every graph once in a fresh random order (bench_lib.measure_graphs); time per layer = median / L. The last layer's
-MLP output of every provider is checked against the fp32 reference with the 2x rule.
+MLP output of every provider is checked against the fp32 reference with the 2x rule. ``--tunes`` adds, per
+FUSED_MLP_DECODE_TUNE setting (gated_gemv.cu's run-time overrides of its work split), a provider ``mlp:<tune>`` (or
+``lin:<tune>`` when every key is a ``lin_`` one) captured with it set: the table's entries are picked from one run.
 
 Writes ``<results-root>/<device-slug>/decode_stack.csv`` (bench_lib.COLUMNS, mode fwd_graph, ms per layer) and
 ``decode_stack.png`` (plot.py), and prints per model the ratios to cuBLAS and the crossover of each kernel: the
@@ -26,6 +29,7 @@ largest T up to which it is faster than cuBLAS at every measured T.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,17 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
     DTYPES,
-    ROOT,
     GraphCalls,
     ResultWriter,
+    add_result_args,
     collect_env,
-    device_slug,
+    draw_plot,
     load_kernel,
     log,
     max_abs_err,
     measure_graphs,
-    out_mirror,
-    read_rows,
+    result_writer,
     round_quantiles,
     two_x_rule,
 )
@@ -59,6 +62,34 @@ T_QUICK = (1, 8, 16)
 MODELS = {"llama3_2_1b": (2048, 2048, 512, 8192, "silu"), "gemma2b": (2048, 2048, 256, 16384, "gelu_tanh"),
           "llama3_8b": (4096, 4096, 1024, 14336, "silu")}
 PROVIDERS = {"cublas": (False, False), "lin": (True, False), "mlp": (False, True), "both": (True, True)}
+TUNE = "FUSED_MLP_DECODE_TUNE"
+
+
+def tune_providers(tunes: Sequence[str]) -> dict[str, tuple[bool, bool, str]]:
+    """``--tunes`` settings as providers: name -> (linear_decode?, decode MLP?, FUSED_MLP_DECODE_TUNE value)."""
+    out = {}
+    for tune in tunes:
+        keys = [item.split("=", 1)[0].strip() for item in tune.split(",") if item.strip()]
+        lin = bool(keys) and all(k.startswith("lin_") for k in keys)
+        out[f"{'lin' if lin else 'mlp'}:{tune}"] = (lin, not lin, tune)
+    return out
+
+
+def captured(fn, tune: str) -> GraphCalls:
+    """``fn`` captured with FUSED_MLP_DECODE_TUNE set to ``tune`` (the kernels read it per call in eager mode, so the
+    graph keeps what was set); the caller's setting is restored."""
+    saved = os.environ.get(TUNE)
+    if tune:
+        os.environ[TUNE] = tune
+    else:
+        os.environ.pop(TUNE, None)
+    try:
+        return GraphCalls(fn, calls=1)
+    finally:
+        if saved is None:
+            os.environ.pop(TUNE, None)
+        else:
+            os.environ[TUNE] = saved
 
 
 def act_mul(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
@@ -75,7 +106,8 @@ def crossover(ratios: dict[int, float]) -> int:
     return best
 
 
-def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int) -> None:
+def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int,
+              tunes: Sequence[str] = ()) -> None:
     dtype = DTYPES[dtype_name]
     h, qw, kw, inter, act = MODELS[model]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -106,7 +138,8 @@ def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_na
                     return y
                 return one_pass
 
-            graphs = {p: GraphCalls(make(*f), calls=1) for p, f in PROVIDERS.items()}
+            provs = {p: (*f, "") for p, f in PROVIDERS.items()} | tune_providers(tunes)
+            graphs = {p: captured(make(lin_dec, mlp_dec), tune) for p, (lin_dec, mlp_dec, tune) in provs.items()}
             measure_graphs(graphs, rounds, seed=t)
             last = layers[-1]
             xf = x.float()
@@ -127,7 +160,7 @@ def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_na
                 res[(t, prov)] = p50 * 1e3
             del graphs
     writer.checkpoint()
-    for prov in ("lin", "mlp", "both"):
+    for prov in ("lin", "mlp", "both", *tune_providers(tunes)):
         ratios = {t: res[(t, prov)] / res[(t, "cublas")] for t in ts}
         log(f"[{model}] {prov}/cublas: " + "  ".join(f"T={t} {r:.3f}" for t, r in ratios.items())
             + f"  -> faster up to T = {crossover(ratios)}")
@@ -139,12 +172,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"T in {T_QUICK}, Llama-3.2-1B only")
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--dtypes", default="bf16")
+    p.add_argument("--tunes", default="", help="semicolon list of FUSED_MLP_DECODE_TUNE settings to time too")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 20 quick, 40 full)")
-    p.add_argument("--kernel", default=str(ROOT), help="checkout path or Hub repo id (default: this checkout)")
-    p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--csv-name", default="decode_stack.csv")
-    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
-    p.add_argument("--no-plot", action="store_true")
+    add_result_args(p, "decode_stack.csv")
     return p.parse_args(argv)
 
 
@@ -161,23 +191,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     fm = load_kernel(args.kernel)
     ops = sys.modules[fm.__name__ + "._ops"].ops  # the build's own op namespace
     env = collect_env("cuda", fm)
-    slug = device_slug(env)
-    out = Path(args.results_root) / slug / args.csv_name
-    writer = ResultWriter(out, env, merge=not args.fresh, mirror=out_mirror(slug, args.csv_name))
+    writer = result_writer(args, env)
     log(f"fused-mlp decode_stack: {env['device_name']}, torch {env['torch']}, kernel {env['kernel_build']}; "
-        f"writing {out}; {LAYERS} layers, {rounds} rounds")
+        f"writing {writer.path}; {LAYERS} layers, {rounds} rounds")
     for dtype_name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         for model in models:
-            run_model(ops, writer, model, ts, dtype_name, rounds)
+            run_model(ops, writer, model, ts, dtype_name, rounds,
+                      [t.strip() for t in args.tunes.split(";") if t.strip()])
     if not args.no_plot:
-        try:
-            from plot import plot_decode_stack
-
-            path = plot_decode_stack(read_rows(out), out.parent)
-            if path:
-                log(f"wrote {path}")
-        except ImportError as e:  # matplotlib missing: the CSV is the result
-            log(f"no plot: {e}")
+        draw_plot("plot_decode_stack", writer.path)
     return 0
 
 

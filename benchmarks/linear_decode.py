@@ -35,18 +35,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import (  # noqa: E402
-    GraphCalls,
     DTYPES,
-    ROOT,
+    GraphCalls,
     ResultWriter,
+    add_result_args,
     collect_env,
-    device_slug,
+    draw_plot,
     load_kernel,
     log,
     max_abs_err,
     measure_graphs,
-    out_mirror,
-    read_rows,
+    result_writer,
     round_quantiles,
     two_x_rule,
 )
@@ -149,11 +148,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16 (default bf16)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 15 quick, 30 full)")
-    p.add_argument("--kernel", default=str(ROOT), help="checkout path or Hub repo id (default: this checkout)")
-    p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--csv-name", default="linear_decode.csv")
-    p.add_argument("--fresh", action="store_true", help="start a new CSV instead of replacing only this run's ops")
-    p.add_argument("--no-plot", action="store_true")
+    add_result_args(p, "linear_decode.csv")
     return p.parse_args(argv)
 
 
@@ -169,23 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = args.rounds or (15 if args.quick else 30)
     fm = load_kernel(args.kernel)
     env = collect_env("cuda", fm)
-    slug = device_slug(env)
-    out = Path(args.results_root) / slug / args.csv_name
-    writer = ResultWriter(out, env, merge=not args.fresh, mirror=out_mirror(slug, args.csv_name))
+    writer = result_writer(args, env)
     log(f"fused-mlp linear_decode: {env['device_name']}, torch {env['torch']}, kernel {env['kernel_build']}; "
-        f"writing {out}; {rounds} rounds of CUDA graphs of {CALLS} calls")
+        f"writing {writer.path}; {rounds} rounds of CUDA graphs of {CALLS} calls")
     for dtype_name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         for model in models:
             run_model(fm, writer, model, ts, dtype_name, rounds)
     if not args.no_plot:
-        try:
-            from plot import plot_linear_decode
-
-            path = plot_linear_decode(read_rows(out), out.parent)
-            if path:
-                log(f"wrote {path}")
-        except ImportError as e:  # matplotlib missing: the CSV is the result
-            log(f"no plot: {e}")
+        draw_plot("plot_linear_decode", writer.path)
     return 0
 
 

@@ -17,6 +17,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,6 +38,16 @@ STYLE = {  # provider -> (color, linestyle, marker)
     "ours_gemm": ("#ff7f0e", "--", "s"),
     "cublas": ("#7f7f7f", "-", "s"),
 }
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write at the plots' common resolution, close; the path written."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _style(p: str) -> tuple[str, str, str]:
@@ -116,11 +127,7 @@ def plot_op(rows: list[dict[str, str]], op: str, mode: str, dtype: str, out: Pat
         axb.legend(fontsize=8, ncol=min(4, len(anchors)))
     axb.set_xticks(range(len(shapes)))
     axb.set_xticklabels(shapes, rotation=60, ha="right", fontsize=8)
-    fig.tight_layout()
-    path = out / f"{op}_{mode.replace('+', '_')}_{dtype}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / f"{op}_{mode.replace('+', '_')}_{dtype}.png")
 
 
 def plot_e2e(rows: list[dict[str, str]], op: str, out: Path) -> Path | None:
@@ -151,11 +158,7 @@ def plot_e2e(rows: list[dict[str, str]], op: str, out: Path) -> Path | None:
         ax.tick_params(axis="x", rotation=30)
     first = grp[0]
     fig.suptitle(f"{op}: {first.get('shape')} · {first.get('dtype')} · {first.get('device_name')}")
-    fig.tight_layout()
-    path = out / f"{op}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / f"{op}.png")
 
 
 def plot_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
@@ -200,11 +203,7 @@ def plot_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
         ax.legend(fontsize=8, loc="upper right")
     fig.suptitle("greedy generate(): kernelized vs plain (ratio = plain ms / kernelized ms; > 1 is faster)",
                  fontsize=10)
-    fig.tight_layout()
-    path = out / "decode.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "decode.png")
 
 
 def plot_linear_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
@@ -250,11 +249,7 @@ def plot_linear_decode(rows: list[dict[str, str]], out: Path) -> Path | None:
     first = ok[0]
     fig.suptitle(f"bias-free Linear at decode sizes: linear_decode vs cuBLAS (ratio ours / cublas; < 1 is faster) · "
                  f"{first.get('device_name')}, {first.get('dtype')}", fontsize=10)
-    fig.tight_layout()
-    path = out / "linear_decode.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "linear_decode.png")
 
 
 def plot_decode_stack(rows: list[dict[str, str]], out: Path) -> Path | None:
@@ -289,11 +284,7 @@ def plot_decode_stack(rows: list[dict[str, str]], out: Path) -> Path | None:
     first = ok[0]
     fig.suptitle(f"decode kernels in a {first.get('L')}-layer stack (distinct weights, CUDA graph; < 1 is faster) · "
                  f"{first.get('device_name')}, {first.get('dtype')}", fontsize=10)
-    fig.tight_layout()
-    path = out / "decode_stack.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "decode_stack.png")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -160,3 +160,33 @@ def compile_static_then_dynamic(f, static_x: torch.Tensor, token_counts, make_x)
             runs.append((t, x, compiled(x)))
     torch._dynamo.reset()
     return static_graphs, out, list(graphs), runs
+
+
+# ---- fakes for the decode predicates on a machine without a GPU -----------------------------------------------------
+
+def as_fake_cuda(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor (any view of one) presented as living on cuda:0, without a GPU: a fake tensor, enough for
+    predicates that read only metadata. Running an op on it would initialise CUDA: build views on the meta tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor(FakeTensorMode(allow_non_fake_inputs=True), t, torch.device("cuda", 0))
+
+
+def fake_cuda(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``as_fake_cuda`` of a new contiguous meta tensor."""
+    return as_fake_cuda(torch.empty(shape, dtype=dtype, device="meta"))
+
+
+def symbolic_tokens(h: int, dtype: torch.dtype = torch.bfloat16):
+    """``(x, shape_env)``: a fake ``[T, h]`` tensor on cuda:0 whose T is symbolic (as under torch.compile with a dynamic
+    batch dimension), and the shape environment that records any guard a predicate adds on T."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(4, h, dtype=dtype), symbolic_context=ctx)
+    assert isinstance(x.shape[0], torch.SymInt)
+    x.fake_device = torch.device("cuda", 0)  # the predicates ask x.is_cuda first
+    return x, shape_env

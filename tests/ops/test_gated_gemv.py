@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule, compile_static_then_dynamic, spy_mlp_ops
+from _utils import as_fake_cuda, assert_2x_rule, compile_static_then_dynamic, fake_cuda, spy_mlp_ops, symbolic_tokens
 from conftest import CUDA
 
 SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
@@ -333,14 +333,6 @@ def test_cpu_tensors_never_take_the_op(fm, monkeypatch):
     assert torch.equal(on, off)
 
 
-def _on_cuda(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor (any view of one) presented as living on cuda:0, without a GPU: a fake tensor, enough for the
-    predicate, which reads only metadata. (Running an op on it would initialise CUDA: build views on the meta tensor.)"""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    return FakeTensor(FakeTensorMode(allow_non_fake_inputs=True), t, torch.device("cuda", 0))
-
-
 def test_predicate_decisions(fm, monkeypatch):
     """What use_decode says per argument (no kernel runs; on a CPU machine the tensors are fakes on cuda:0 and the
     capability is set to the H200's)."""
@@ -348,7 +340,7 @@ def test_predicate_decisions(fm, monkeypatch):
     if SM80:
         dev, wrap, cap = "cuda", (lambda t: t), torch.cuda.get_device_capability()
     else:
-        dev, wrap, cap = "meta", _on_cuda, (9, 0)
+        dev, wrap, cap = "meta", as_fake_cuda, (9, 0)
         monkeypatch.setitem(dec._CAPABILITY, 0, cap)
 
     def mk(shape, dtype=torch.bfloat16, view=lambda t: t):
@@ -399,25 +391,17 @@ def test_auto_limit_follows_the_hidden_size(fm):
 def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
     """Under a symbolic T the table's limit goes to gated_mlp_auto (the op compares T at run time); a static T, a
     bias, or "off" give 0; deciding adds no guard to the shape environment."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
     dec = fm._decode
     monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
-    x.fake_device = torch.device("cuda", 0)
-    w = [_on_cuda(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in ((160, 64), (160, 64), (64, 160))]
-    static_x = _on_cuda(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"))
+    x, shape_env = symbolic_tokens(64)
+    w = [fake_cuda(*s) for s in ((160, 64), (160, 64), (64, 160))]
+    static_x = fake_cuda(4, 64)
     monkeypatch.setenv(ENV, "on")
     assert dec.runtime_limit(x, *w, None, None, None) == dec.KERNEL_MAX_TOKENS
     monkeypatch.setenv(ENV, "auto")
     assert dec.runtime_limit(x, *w, None, None, None) == dec.auto_limit((9, 0), 64) > 0
     assert dec.runtime_limit(static_x, *w, None, None, None) == 0
-    bias = _on_cuda(torch.empty(64, dtype=torch.bfloat16, device="meta"))  # (built on meta: see _on_cuda)
-    assert dec.runtime_limit(x, *w, None, None, bias) == 0
+    assert dec.runtime_limit(x, *w, None, None, fake_cuda(64)) == 0
     monkeypatch.setenv(ENV, "off")
     assert dec.runtime_limit(x, *w, None, None, None) == 0
     assert not shape_env.guards, shape_env.guards
@@ -426,19 +410,10 @@ def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
 def test_predicate_says_no_to_a_symbolic_token_count(fm, monkeypatch):
     """A symbolic T (torch.compile with dynamic shapes) takes the other path, whatever the mode, and deciding adds
     no guard on T to the shape environment."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
     dec = fm._decode
     monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
-    assert isinstance(x.shape[0], torch.SymInt)
-    # the predicate asks x.is_cuda first: present the fake as a CUDA tensor
-    x.fake_device = torch.device("cuda", 0)
-    w = [_on_cuda(torch.empty(s, dtype=torch.bfloat16, device="meta")) for s in ((160, 64), (160, 64), (64, 160))]
+    x, shape_env = symbolic_tokens(64)
+    w = [fake_cuda(*s) for s in ((160, 64), (160, 64), (64, 160))]
     for m in ("on", "auto"):
         monkeypatch.setenv(ENV, m)
         assert not dec.use_decode(x, *w, None, None, None)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule, compile_static_then_dynamic
+from _utils import assert_2x_rule, compile_static_then_dynamic, fake_cuda, symbolic_tokens
 from conftest import CUDA
 
 SM80 = CUDA and torch.cuda.get_device_capability() >= (8, 0)
@@ -282,22 +282,12 @@ def test_schema_is_registered_in_every_build(fm):
 def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
     """Under a symbolic T the limit goes to linear_auto; a static T, an lm_head-sized N in auto, or "off" give 0; no
     guard is added."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
-    def on_cuda(t):
-        return FakeTensor(FakeTensorMode(allow_non_fake_inputs=True), t, torch.device("cuda", 0))
-
     dec = fm._decode
     monkeypatch.setitem(dec._CAPABILITY, 0, (9, 0))
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    x = mode.from_tensor(torch.empty(4, 64, dtype=torch.bfloat16), symbolic_context=ctx)
-    x.fake_device = torch.device("cuda", 0)
-    w = on_cuda(torch.empty(96, 64, dtype=torch.bfloat16, device="meta"))
-    wide = on_cuda(torch.empty(dec.LINEAR_AUTO_MAX_N + 8, 64, dtype=torch.bfloat16, device="meta"))
-    static_x = on_cuda(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"))
+    x, shape_env = symbolic_tokens(64)
+    w = fake_cuda(96, 64)
+    wide = fake_cuda(dec.LINEAR_AUTO_MAX_N + 8, 64)
+    static_x = fake_cuda(4, 64)
     monkeypatch.setenv(ENV, "auto")
     assert dec.linear_runtime_limit(x, w.t()) == dec.LINEAR_MAX_TOKENS[(9, 0)]
     assert dec.linear_runtime_limit(x, wide.t()) == 0

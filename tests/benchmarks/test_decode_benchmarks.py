@@ -1,0 +1,103 @@
+"""The decode GPU benchmarks' CPU side (the benchmarks themselves need a GPU): benchmarks/plot.py draws the recorded
+H200 CSVs of linear_decode.py and decode_stack.py (whole, a one-model subset, nothing when no row is ok; the CLI routes
+each CSV to its plot); decode_stack.py's crossover rule, --tunes providers and recorded rows; bench_lib's output
+helpers (add_result_args, result_writer, draw_plot)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results" / "nvidia-h200"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# (CSV, plot function, PNG, a one-model subset of the rows)
+PLOTS = [
+    ("linear_decode.csv", "plot_linear_decode", "linear_decode.png",
+     lambda r: r["op"].startswith("linear_decode_gemma2b_")),
+    ("decode_stack.csv", "plot_decode_stack", "decode_stack.png", lambda r: r["op"] == "decode_stack_gemma2b"),
+]
+
+
+def _rows(name: str) -> list[dict[str, str]]:
+    with (RESULTS / name).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("name, fn, png, subset", PLOTS, ids=[p[0] for p in PLOTS])
+def test_plot_draws_the_recorded_csv(tmp_path, name, fn, png, subset):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot.py"), str(RESULTS / name), "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png in proc.stdout
+    assert (tmp_path / png).stat().st_size > 10000
+
+
+@pytest.mark.parametrize("name, fn, png, subset", PLOTS, ids=[p[0] for p in PLOTS])
+def test_plot_subset_and_nothing_to_draw(tmp_path, name, fn, png, subset):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    one = [r for r in _rows(name) if subset(r)]
+    assert one and getattr(plot, fn)(one, tmp_path) == tmp_path / png
+    assert (tmp_path / png).stat().st_size > 5000
+    assert getattr(plot, fn)([dict(r, status="error") for r in one], tmp_path / "none") is None
+
+
+def test_decode_stack_rows_are_verified_for_every_provider():
+    rows = _rows("decode_stack.csv")
+    cells: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        assert r["status"] == "ok" and r["verified"].lower() == "true", r
+        cells.setdefault((r["op"], r["T"]), set()).add(r["provider"])
+    assert cells and all(p >= {"cublas", "lin", "mlp", "both"} for p in cells.values())
+
+
+def test_crossover_is_the_last_t_of_the_first_winning_run():
+    from decode_stack import crossover
+
+    assert crossover({1: 0.8, 2: 0.9, 4: 0.99, 8: 1.01, 16: 0.95}) == 4
+    assert crossover({1: 1.0, 2: 0.5}) == 0
+    assert crossover({8: 0.9, 1: 0.7}) == 8
+
+
+def test_tunes_become_providers():
+    from decode_stack import tune_providers
+
+    got = tune_providers(["gu_wk=8", "lin_wk=4", "lin_wk=4,lin_wr=2", "dn_ks=2,lin_wk=4"])
+    assert got == {"mlp:gu_wk=8": (False, True, "gu_wk=8"), "lin:lin_wk=4": (True, False, "lin_wk=4"),
+                   "lin:lin_wk=4,lin_wr=2": (True, False, "lin_wk=4,lin_wr=2"),
+                   "mlp:dn_ks=2,lin_wk=4": (False, True, "dn_ks=2,lin_wk=4")}
+
+
+def test_result_helpers_write_merge_and_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import bench_lib
+
+    p = argparse.ArgumentParser()
+    bench_lib.add_result_args(p, "decode_stack.csv")
+    args = p.parse_args(["--results-root", str(tmp_path)])
+    assert (args.csv_name, args.fresh, args.no_plot) == ("decode_stack.csv", False, False)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    recorded = _rows("decode_stack.csv")
+    env = {k: recorded[0][k] for k in ("device", "device_name")}
+    slug = bench_lib.device_slug(env)
+    (tmp_path / slug).mkdir()
+    shutil.copy(RESULTS / "decode_stack.csv", tmp_path / slug / "decode_stack.csv")
+    writer = bench_lib.result_writer(args, env)
+    assert writer.path == tmp_path / slug / "decode_stack.csv" and writer.mirror == tmp_path / "out" / slug / \
+        "decode_stack.csv"
+    assert len(writer.kept) == len(recorded)  # merged: the rows of ops this run does not measure stay
+    bench_lib.draw_plot("plot_decode_stack", writer.path)
+    assert (tmp_path / slug / "decode_stack.png").stat().st_size > 10000
+    p = argparse.ArgumentParser()
+    bench_lib.add_result_args(p, "crossover.csv", plot=False)
+    args = p.parse_args(["--fresh"])
+    assert args.fresh and not hasattr(args, "no_plot")
