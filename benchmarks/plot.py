@@ -270,17 +270,20 @@ def plot_decode_stack(rows: list[dict[str, str]], out: Path) -> Path | None:
         ax = axes[0, col]
         val = {(r["provider"], int(r["T"])): fnum(r["time_p50_ms"]) for r in ok if r["op"] == f"decode_stack_{model}"}
         ts = sorted({t for _, t in val})
+        drawn = False
         for prov, color, marker in (("lin", "#1f77b4", "o"), ("mlp", "#ff7f0e", "s"), ("both", "#2ca02c", "^")):
             pts = [(t, val[(prov, t)] / val[("cublas", t)]) for t in ts if (prov, t) in val and ("cublas", t) in val]
             if pts:
                 ax.plot([t for t, _ in pts], [v for _, v in pts], color=color, marker=marker, label=f"{prov} / cublas")
+                drawn = True
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(ts)
         ax.set_xlabel("tokens T")
         ax.set_ylabel("time per layer / cuBLAS path")
         ax.set_title(model, fontsize=9)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if drawn:
+            ax.legend(fontsize=7)
     first = ok[0]
     fig.suptitle(f"decode kernels in a {first.get('L')}-layer stack (distinct weights, CUDA graph; < 1 is faster) · "
                  f"{first.get('device_name')}, {first.get('dtype')}", fontsize=10)

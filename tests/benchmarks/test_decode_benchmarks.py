@@ -71,10 +71,10 @@ def test_crossover_is_the_last_t_of_the_first_winning_run():
 def test_tunes_become_providers():
     from decode_stack import tune_providers
 
-    got = tune_providers(["gu_wk=8", "lin_wk=4", "lin_wk=4,lin_wr=2", "dn_ks=2,lin_wk=4"])
+    got = tune_providers(["gu_wk=8", "lin_wk=4", "lin_wk=4,lin_wr=2", "dn_ks=2,lin_wk=4", "pdl=0"])
     assert got == {"mlp:gu_wk=8": (False, True, "gu_wk=8"), "lin:lin_wk=4": (True, False, "lin_wk=4"),
                    "lin:lin_wk=4,lin_wr=2": (True, False, "lin_wk=4,lin_wr=2"),
-                   "mlp:dn_ks=2,lin_wk=4": (False, True, "dn_ks=2,lin_wk=4")}
+                   "both:dn_ks=2,lin_wk=4": (True, True, "dn_ks=2,lin_wk=4"), "both:pdl=0": (True, True, "pdl=0")}
 
 
 def test_result_helpers_write_merge_and_plot(tmp_path, monkeypatch):
@@ -94,7 +94,14 @@ def test_result_helpers_write_merge_and_plot(tmp_path, monkeypatch):
     writer = bench_lib.result_writer(args, env)
     assert writer.path == tmp_path / slug / "decode_stack.csv" and writer.mirror == tmp_path / "out" / slug / \
         "decode_stack.csv"
-    assert len(writer.kept) == len(recorded)  # merged: the rows of ops this run does not measure stay
+    assert len(writer.kept) == len(recorded)
+    row = dict(recorded[0])  # rerun one op: its recorded rows are replaced, the other ops' rows stay
+    writer.add(**{k: row[k] for k in ("op", "provider", "dtype", "shape", "T", "time_p50_ms", "status")})
+    writer.checkpoint()
+    after = bench_lib.read_rows(writer.path)
+    assert [r for r in after if r["op"] == row["op"]] == [dict(writer.rows[0])]
+    assert [r for r in after if r["op"] != row["op"]] == [r for r in recorded if r["op"] != row["op"]]
+    assert (tmp_path / "out" / slug / "decode_stack.csv").read_text() == writer.path.read_text()
     bench_lib.draw_plot("plot_decode_stack", writer.path)
     assert (tmp_path / slug / "decode_stack.png").stat().st_size > 10000
     p = argparse.ArgumentParser()

@@ -294,6 +294,8 @@ def test_auto_op_picks_by_token_count_at_run_time(fm, monkeypatch, act):
         want = ops.gated_mlp_decode(x, wg, wu, wd, act) if t <= 16 else gemm_path(x)
         assert torch.equal(y, want), t
         assert_2x_rule(y, ref32(x, w32, act), same_dtype(x, w, act), name=f"T={t}")
+    x = tokens(65, 2056, torch.bfloat16, seed=65)  # a limit above the kernel's 64 tokens: clamped, the GEMM path
+    assert torch.equal(ops.gated_mlp_auto(x, wg, wu, wd, act, 128), gemm_path(x))
     # a view 8 bytes past a 16-byte boundary: the GEMM path, no error
     buf = tokens(4 * 2056 + 4, 1, torch.bfloat16, seed=7).view(-1)
     x = buf[4:].view(4, 2056)
@@ -402,6 +404,9 @@ def test_runtime_limit_takes_a_symbolic_token_count(fm, monkeypatch):
     assert dec.runtime_limit(x, *w, None, None, None) == dec.auto_limit((9, 0), 64) > 0
     assert dec.runtime_limit(static_x, *w, None, None, None) == 0
     assert dec.runtime_limit(x, *w, None, None, fake_cuda(64)) == 0
+    monkeypatch.setenv("FUSED_MLP_UNDER_COMPILE", "decompose")  # forced: F.linear and the activation's decomposition
+    assert dec.runtime_limit(x, *w, None, None, None) == 0
+    monkeypatch.delenv("FUSED_MLP_UNDER_COMPILE")
     monkeypatch.setenv(ENV, "off")
     assert dec.runtime_limit(x, *w, None, None, None) == 0
     assert not shape_env.guards, shape_env.guards

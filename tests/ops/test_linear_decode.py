@@ -266,6 +266,8 @@ def test_auto_op_picks_by_token_count_at_run_time(fm, monkeypatch):
         y = ops.linear_auto(x, w, 16)
         assert torch.equal(y, ops.linear_decode(x, w) if t <= 16 else gemm_path(x)), t
         assert_2x_rule(y, F.linear(x.float(), w32), F.linear(x, w), name=f"T={t}")
+    x = tokens(65, 2056, torch.bfloat16, seed=65)  # a limit above the kernel's 64 tokens: clamped, the GEMM path
+    assert torch.equal(ops.linear_auto(x, w, 128), gemm_path(x))
     buf = tokens(4 * 2056 + 4, 1, torch.bfloat16, seed=7).view(-1)
     x = buf[4:].view(4, 2056)
     assert x.data_ptr() % 16 == 8

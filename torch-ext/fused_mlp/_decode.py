@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ._common import CAPABILITY, device_capability, env_mode
+from ._common import CAPABILITY, compile_mode, device_capability, env_mode
 from ._ops import add_op_namespace_prefix, ops
 
 ENV = "FUSED_MLP_DECODE_MLP"
@@ -136,9 +136,10 @@ def runtime_limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
                   b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None) -> int:
     """Under torch.compile, a token count that is neither known to fit the decode op nor known not to (a symbolic T:
     e.g. the batch dimension Dynamo made dynamic): the limit to pass to ``gated_mlp_auto``, which compares T at run
-    time, without a guard or a recompile; else 0 (``use_decode`` or the GEMM path decide when the graph is traced)."""
+    time, without a guard or a recompile; else 0 (``use_decode`` or the GEMM path decide when the graph is traced).
+    FUSED_MLP_UNDER_COMPILE=decompose: 0 (the caller traces F.linear and the activation's decomposition)."""
     limit = _limit(x, b_gate, b_up, b_down)
-    if not limit or not _AUTO_AVAILABLE:
+    if not limit or not _AUTO_AVAILABLE or compile_mode() == "decompose":
         return 0
     t = _tokens(x)
     if statically_known_true(t <= limit) or statically_known_true(t > limit):
