@@ -110,13 +110,13 @@ def crossover(ratios: dict[int, float]) -> int:
 
 
 def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_name: str, rounds: int,
-              tunes: Sequence[str] = ()) -> None:
+              tunes: Sequence[str] = (), device: str = "cuda") -> None:
     dtype = DTYPES[dtype_name]
     h, qw, kw, inter, act = MODELS[model]
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+        return (torch.randn(n, k, device=device, generator=g) * k ** -0.5).to(dtype)
 
     layers = [dict(q=w(qw, h), k=w(kw, h), v=w(kw, h), o=w(h, qw), g=w(inter, h), u=w(inter, h), d=w(h, inter))
               for _ in range(LAYERS)]
@@ -125,8 +125,8 @@ def run_model(ops, writer: ResultWriter, model: str, ts: Sequence[int], dtype_na
     res: dict[tuple[int, str], float] = {}
     with torch.no_grad():
         for t in ts:
-            x = torch.randn(t, h, device="cuda", generator=g).to(dtype)
-            a = torch.randn(t, qw, device="cuda", generator=g).to(dtype)
+            x = torch.randn(t, h, device=device, generator=g).to(dtype)
+            a = torch.randn(t, qw, device=device, generator=g).to(dtype)
 
             def make(lin_dec: bool, mlp_dec: bool, x=x, a=a):
                 def lin(i: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

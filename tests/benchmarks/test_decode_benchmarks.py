@@ -9,6 +9,7 @@ import argparse
 import csv
 import shutil
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -108,3 +109,45 @@ def test_result_helpers_write_merge_and_plot(tmp_path, monkeypatch):
     bench_lib.add_result_args(p, "crossover.csv", plot=False)
     args = p.parse_args(["--fresh"])
     assert args.fresh and not hasattr(args, "no_plot")
+
+
+def test_stack_rows_fail_verification_when_a_decode_kernel_is_wrong(monkeypatch):
+    """decode_stack.run_model on the CPU with stand-ins for the CUDA pieces (the graph is one plain call; the decode
+    ops are fp32 references): every provider verifies; a wrong linear_decode fails exactly the providers that use it
+    (its q projection is checked), a wrong decode MLP those that use that."""
+    import torch.nn.functional as F
+
+    import bench_lib
+    import decode_stack as ds
+
+    class OneCall:
+        def __init__(self, fn, calls=1):
+            self.out, self.times = fn(), [1.0, 1.2, 0.8]
+
+    monkeypatch.setattr(ds, "GraphCalls", OneCall)
+    monkeypatch.setattr(ds, "measure_graphs", lambda graphs, rounds, seed=0: None)
+    monkeypatch.setattr(ds, "MODELS", {"tiny": (64, 64, 16, 128, "silu")})
+    monkeypatch.setattr(ds, "LAYERS", 2)
+
+    def lin(x, w):
+        return F.linear(x.float(), w.float()).to(x.dtype)
+
+    def mlp(x, g, u, d, act):
+        return lin(ds.act_mul(lin(x, g).float(), lin(x, u).float(), act).to(x.dtype), d)
+
+    def run(linear_decode, gated_mlp_decode):
+        ops = type("Ops", (), {"linear_decode": staticmethod(linear_decode),
+                               "gated_mlp_decode": staticmethod(gated_mlp_decode)})
+        writer = bench_lib.ResultWriter(Path("unused.csv"), {}, merge=False)
+        monkeypatch.setattr(writer, "checkpoint", lambda: None)
+        ds.run_model(ops, writer, "tiny", (1, 4), "bf16", 3, ["gu_wk=8", "lin_wk=4", "pdl=0"], device="cpu")
+        return {(r["T"], r["provider"]): r["verified"] for r in writer.rows}
+
+    good = run(lin, mlp)
+    assert len(good) == 2 * 7 and set(good.values()) == {"true"}, good
+    zero_lin = run(lambda x, w: x.new_zeros(x.shape[0], w.shape[0]), mlp)
+    assert {k for k, v in zero_lin.items() if v == "false"} == \
+        {(t, p) for t in ("1", "4") for p in ("lin", "both", "lin:lin_wk=4", "both:pdl=0")}, zero_lin
+    zero_mlp = run(lin, lambda x, g, u, d, act: x.new_zeros(x.shape[0], d.shape[0]))
+    assert {k for k, v in zero_mlp.items() if v == "false"} == \
+        {(t, p) for t in ("1", "4") for p in ("mlp", "both", "mlp:gu_wk=8", "both:pdl=0")}, zero_mlp
