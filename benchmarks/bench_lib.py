@@ -404,6 +404,37 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def busy_intervals_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: the time at least one of them runs."""
+    busy = 0.0
+    cur: list[float] | None = None
+    for s, e in sorted(intervals):
+        if cur is None or s > cur[1]:
+            if cur is not None:
+                busy += cur[1] - cur[0]
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    return busy
+
+
+def gpu_busy_us(fn: Callable[[], Any]) -> float:
+    """GPU busy time of one call of ``fn`` on CUDA, in us: the union of the intervals of the kernels (and copies /
+    memsets) the profiler records, so overlapping kernels (programmatic dependent launch) count once and host gaps
+    not at all. Steadier than wall time where the host is noisy and a step is partly host-bound (decode)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return busy_intervals_us((e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == cuda and e.device_time_total > 0)
+
+
 def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     """``torch.cuda.max_memory_allocated`` over one call of ``fn`` (absolute: includes what is already allocated,
     as the anchors measured it). None on the CPU."""

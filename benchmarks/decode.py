@@ -41,6 +41,11 @@ Method:
   cache, same batch; ``first_mismatch`` the earliest differing position), ``tokens_equal_vs_dynamic`` the same
   against the plain model's DynamicCache tokens. Random-weight models have nearly flat logits, so bf16 rounding
   differences flip near-ties: the plain model's own static-vs-dynamic agreement is the scale to read them against.
+* GPU busy time per token (CUDA, ``--busy-rounds`` profiled rounds after the timed ones): the same long - short
+  difference over the union of the kernels' intervals in a ``torch.profiler`` trace (``bench_lib.gpu_busy_us``).
+  A decode step is partly host-bound (generate's loop between graph replays; a third of the wall time on the H200's
+  host), so the wall ratio moves by ~10% between runs while this one is steady: it says whether our kernels make
+  the GPU's share faster or slower; the wall ratio is what a user gets.
 * Per row also: Dynamo graph breaks, graphs compiled and Inductor's CUDA-graph skips counted over that provider's
   calls in the cell (``torch._dynamo.utils.counters``).
 
@@ -79,6 +84,7 @@ from bench_lib import (  # noqa: E402
     collect_env,
     describe_exception,
     device_slug,
+    gpu_busy_us,
     load_kernel,
     log,
     out_mirror,
@@ -98,7 +104,8 @@ COLUMNS = [
     "layers", "hidden", "intermediate", "vocab", "prompt_len", "new_tokens", "rounds", "compile_mode",
     "ms_per_token", "ms_per_token_p20", "ms_per_token_p80", "time_p50_ms", "tokens_per_s", "gen_ms", "short_gen_ms",
     "speedup_vs_plain", "best_anchor", "speedup_vs_best_anchor", "tokens_equal", "first_mismatch",
-    "tokens_equal_vs_dynamic", "warmup_s", "compile_s", "graphs", "graph_breaks", "cudagraph_skips", "status", "note",
+    "tokens_equal_vs_dynamic", "warmup_s", "compile_s", "graphs", "graph_breaks", "cudagraph_skips",
+    "gpu_busy_ms_per_token", "busy_speedup_vs_plain", "status", "note",
 ]
 
 
@@ -251,6 +258,7 @@ class Stats:
     warmup_s: float = 0.0
     warmup_long_s: float = 0.0
     tokens: torch.Tensor | None = None
+    busy_ms: list[float] = field(default_factory=list)  # GPU busy ms per token, one per profiled pair of calls
     error: str | None = None
 
 
@@ -389,8 +397,22 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             except Exception as e:  # noqa: BLE001
                 st.error = describe_exception(e)
         live = [p for p in live if stats[p].error is None]
+    # GPU busy time per token (CUDA): the same long - short difference over the profiler's kernel intervals, after
+    # the timed rounds (the profiler's own overhead stays out of them).
+    for r in range(args.busy_rounds if device == "cuda" else 0):
+        for prov in (live if r % 2 == 0 else live[::-1]):
+            model = models[(prov, static)]
+            st = stats[prov]
+            try:
+                b_long = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_long, static, cfg, device, st))
+                b_short = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_short, static, cfg, device, st))
+                st.busy_ms.append((b_long - b_short) / 1e3 / (n_long - n_short))
+            except Exception as e:  # noqa: BLE001 - the wall-time rows stand without it
+                log(f"[{op}] {cache} B={batch} {prov}: GPU busy not measured: {describe_exception(e)}")
+                break
 
     rows: dict[str, dict] = {}
+    busy: dict[str, float] = {}
     ms: dict[str, float] = {}
     for prov in args.providers:
         st = stats[prov]
@@ -407,6 +429,8 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
                           ms_per_token_p80=p80, time_p50_ms=p50, tokens_per_s=batch * 1e3 / p50, gen_ms=gen_ms,
                           short_gen_ms=statistics.median(st.times_short) * 1e3, warmup_s=st.warmup_s,
                           compile_s=max(st.warmup_long_s * 1e3 - gen_ms, 0.0) / 1e3, **counts)
+        if st.busy_ms:
+            busy[prov] = rows[prov]["gpu_busy_ms_per_token"] = statistics.median(st.busy_ms)
     plain_tokens = stats["eager"].tokens if "eager" in stats else None
     if not static and plain_tokens is not None:
         dynamic_tokens[batch] = plain_tokens
@@ -422,8 +446,13 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
         if "eager" in ms and prov in ms:
             row.update(speedup_vs_plain=ms["eager"] / ms[prov], best_anchor="eager",
                        speedup_vs_best_anchor=ms["eager"] / ms[prov])
+        if "eager" in busy and prov in busy and busy[prov] > 0:
+            row["busy_speedup_vs_plain"] = busy["eager"] / busy[prov]
     summary = " ".join(f"{p}={ms[p]:.3f}" for p in ms)
     ratio = f", ours/plain speed {ms['eager'] / ms['ours']:.3f}x" if {"eager", "ours"} <= ms.keys() else ""
+    if {"eager", "ours"} <= busy.keys() and busy["ours"] > 0:
+        ratio += (f"; GPU busy ms/token eager={busy['eager']:.3f} ours={busy['ours']:.3f}, "
+                  f"{busy['eager'] / busy['ours']:.3f}x")
     eq = rows.get("ours", {}).get("tokens_equal")
     log(f"[{op}] {cache} B={batch}: ms/token {summary}{ratio}" + (f", tokens equal {eq:.3f}" if eq is not None else "")
         + f" ({time.monotonic() - t_cell:.1f} s)")
@@ -436,20 +465,21 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
 
 
 def print_table(rows: list[dict[str, str]]) -> None:
-    """model, cache, batch: plain and ours ms/token, ratio, tokens equal."""
+    """model, cache, batch: plain and ours ms/token, ratio, GPU-busy ratio, tokens equal."""
     cells: dict[tuple[str, str, str], dict[str, dict[str, str]]] = {}
     for r in rows:
         if r.get("status") == "ok":
             cells.setdefault((r["model"], r["cache"], r["batch"]), {})[r["provider"]] = r
     log(f"\n{'model':<14} {'cache':<8} {'batch':>5} {'plain ms/tok':>13} {'ours ms/tok':>12} {'ours/plain':>10} "
-        f"{'tokens equal':>12} {'compile s (plain/ours)':>23}")
+        f"{'GPU busy':>9} {'tokens equal':>12} {'compile s (plain/ours)':>23}")
     for (model, cache, batch), by in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2]))):
         e, o = by.get("eager"), by.get("ours")
         fe = float(e["ms_per_token"]) if e else float("nan")
         fo = float(o["ms_per_token"]) if o else float("nan")
         eq = o.get("tokens_equal", "") if o else ""
         comp = "/".join(f"{float(x['compile_s']):.1f}" if x and x.get("compile_s") else "-" for x in (e, o))
-        log(f"{model:<14} {cache:<8} {batch:>5} {fe:>13.3f} {fo:>12.3f} {fe / fo:>9.3f}x {eq:>12} {comp:>23}")
+        busy = f"{float(o['busy_speedup_vs_plain']):.3f}x" if o and o.get("busy_speedup_vs_plain") else "-"
+        log(f"{model:<14} {cache:<8} {batch:>5} {fe:>13.3f} {fo:>12.3f} {fe / fo:>9.3f}x {busy:>9} {eq:>12} {comp:>23}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -460,6 +490,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caches", default=",".join(CACHES), help="comma list of static (compiled), dynamic (eager)")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 5; --quick 2)")
+    p.add_argument("--busy-rounds", type=int, default=2, help="profiled rounds for the GPU busy time per token "
+                   "(CUDA; after the timed rounds; 0: none)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per timed call (default 48; --quick 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 64 (--quick 16)")
     p.add_argument("--layers", type=int, default=None, help="override the decoder layer count")
@@ -521,7 +553,7 @@ def dry_run(args: argparse.Namespace) -> int:
         meas = 0.0
         for cache in args.caches:
             per_tok = (_EST_STATIC_MS_PER_LAYER if cache == "static" else _EST_EAGER_MS_PER_LAYER) * layers
-            calls = (args.rounds + 1) * len(args.providers) * len(args.batches)
+            calls = (args.rounds + 1 + args.busy_rounds) * len(args.providers) * len(args.batches)
             meas += calls * (args.new_tokens + 2) * per_tok / 1e3
         s = _EST_BUILD_S + compile_s + meas
         total += s

@@ -416,8 +416,9 @@ def _metric_col(rows: Iterable[dict[str, str]]) -> str:
 
 def decode_tables(rows: list[dict[str, str]]) -> list[str]:
     """decode.csv: per device and model, ms per decoded token of the plain and the kernelized model for every (cache,
-    batch), their ratio, the kernelized model's token agreement with the plain one (and the plain model's own
-    static-vs-dynamic agreement, the scale to read it against), compile time and graph breaks / CUDA-graph skips."""
+    batch), their ratio, the GPU busy time per token of both (where measured), the kernelized model's token
+    agreement with the plain one (and the plain model's own static-vs-dynamic agreement, the scale to read it
+    against), compile time and graph breaks / CUDA-graph skips."""
     cells: dict[tuple[str, str], dict[tuple[str, int], dict[str, dict[str, str]]]] = defaultdict(dict)
     for r in rows:
         if "ms_per_token" in r and r.get("status") == "ok" and r.get("model"):
@@ -429,9 +430,10 @@ def decode_tables(rows: list[dict[str, str]]) -> list[str]:
                 f"{first.get('intermediate')}, vocab {first.get('vocab')}; {first.get('dtype')}; "
                 f"{first.get('prompt_len')}-token prompt, greedy, ms/token over {first.get('new_tokens')} new tokens, "
                 f"{first.get('rounds')} interleaved rounds) · {dev}", "",
-                "| cache | batch | plain ms/token | kernelized ms/token | kernelized vs plain | tokens equal to plain "
-                "| plain: static vs dynamic tokens | compile s plain / kernelized | graph breaks / CUDA-graph skips |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| cache | batch | plain ms/token | kernelized ms/token | kernelized vs plain | GPU busy ms/token plain / "
+                "kernelized (vs plain) | tokens equal to plain | plain: static vs dynamic tokens "
+                "| compile s plain / kernelized | graph breaks / CUDA-graph skips |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for (cache, batch), by in sorted(by_cell.items(), key=lambda kv: (kv[0][0] != "static", kv[0][1])):
             e, o = by.get("eager", {}), by.get("ours", {})
             fe, fo = fnum(e.get("ms_per_token")), fnum(o.get("ms_per_token"))
@@ -445,7 +447,9 @@ def decode_tables(rows: list[dict[str, str]]) -> list[str]:
             ratio = f"{fe / fo:.3f}x" if fe and fo else ""
             agree = num(fnum(o.get("tokens_equal")), ".0%")
             plain_agree = num(fnum(e.get("tokens_equal_vs_dynamic")), ".0%")
-            out.append(f"| {label} | {batch} | {num(fe, '.3f')} | {num(fo, '.3f')} | {ratio} | {agree} | "
+            be, bo = fnum(e.get("gpu_busy_ms_per_token")), fnum(o.get("gpu_busy_ms_per_token"))
+            busy = f"{be:.3f} / {bo:.3f} ({be / bo:.3f}x)" if be and bo else ""
+            out.append(f"| {label} | {batch} | {num(fe, '.3f')} | {num(fo, '.3f')} | {ratio} | {busy} | {agree} | "
                        f"{plain_agree} | {comp} | {flags} |")
         out.append("")
     return out

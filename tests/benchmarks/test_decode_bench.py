@@ -39,6 +39,7 @@ def test_decode_benchmark_cpu_quick(tmp_path):
         ms = float(r["ms_per_token"])
         assert ms > 0 and float(r["ms_per_token_p20"]) <= ms <= float(r["ms_per_token_p80"]), r
         assert int(r["graph_breaks"]) == 0, r
+        assert r["gpu_busy_ms_per_token"] == "" and r["busy_speedup_vs_plain"] == "", r  # CUDA only
         if cache == "static":
             # transformers compiled the decode step once per provider and cell (batch 1: a static graph; batch 2:
             # one with a dynamic batch dim), with no recompile over the decode steps and the timed calls

@@ -151,3 +151,29 @@ def test_stack_rows_fail_verification_when_a_decode_kernel_is_wrong(monkeypatch)
     zero_mlp = run(lin, lambda x, g, u, d, act: x.new_zeros(x.shape[0], d.shape[0]))
     assert {k for k, v in zero_mlp.items() if v == "false"} == \
         {(t, p) for t in ("1", "4") for p in ("mlp", "both", "mlp:gu_wk=8", "both:pdl=0")}, zero_mlp
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    from bench_lib import busy_intervals_us
+
+    assert busy_intervals_us([]) == 0
+    # overlapping (a PDL launch starts under its predecessor's tail), nested, touching and disjoint intervals
+    assert busy_intervals_us([(10, 20), (0, 5), (15, 30), (16, 18), (30, 31), (40, 42)]) == 5 + 21 + 2
+
+
+def test_decode_table_shows_gpu_busy_where_measured():
+    import report
+
+    base = dict(device_name="NVIDIA H200", model="llama3_2_1b", status="ok", layers="16", hidden="2048",
+                intermediate="8192", vocab="128256", dtype="bf16", prompt_len="64", new_tokens="48", rounds="5")
+    rows = [dict(base, cache="static", batch="16", provider="eager", ms_per_token="2.5", gpu_busy_ms_per_token="1.8"),
+            dict(base, cache="static", batch="16", provider="ours", ms_per_token="2.4", gpu_busy_ms_per_token="1.5"),
+            dict(base, cache="dynamic", batch="1", provider="eager", ms_per_token="11", gpu_busy_ms_per_token=""),
+            dict(base, cache="dynamic", batch="1", provider="ours", ms_per_token="10", gpu_busy_ms_per_token="")]
+    lines = report.decode_tables(rows)
+    (static,) = [ln for ln in lines if ln.startswith("| static + compile | 16 |")]
+    assert "| 1.042x | 1.800 / 1.500 (1.200x) |" in static, static
+    (dynamic,) = [ln for ln in lines if ln.startswith("| dynamic (eager) | 1 |")]
+    assert "| 1.100x |  |" in dynamic, dynamic
+    header = next(ln for ln in lines if ln.startswith("| cache |"))
+    assert header.count("|") == lines[lines.index(header) + 1].count("|") == static.count("|")
