@@ -420,10 +420,11 @@ def busy_intervals_us(intervals: Iterable[tuple[float, float]]) -> float:
     return busy
 
 
-def gpu_busy_us(fn: Callable[[], Any]) -> float:
+def gpu_busy_us(fn: Callable[[], Any], kernels: dict[str, float] | None = None) -> float:
     """GPU busy time of one call of ``fn`` on CUDA, in us: the union of the intervals of the kernels (and copies /
     memsets) the profiler records, so overlapping kernels (programmatic dependent launch) count once and host gaps
-    not at all. Steadier than wall time where the host is noisy and a step is partly host-bound (decode)."""
+    not at all. Steadier than wall time where the host is noisy and a step is partly host-bound (decode).
+    ``kernels``: also add each kernel's summed duration (us) under its name."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -431,8 +432,11 @@ def gpu_busy_us(fn: Callable[[], Any]) -> float:
         fn()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    return busy_intervals_us((e.time_range.start, e.time_range.end) for e in prof.events()
-                             if e.device_type == cuda and e.device_time_total > 0)
+    events = [e for e in prof.events() if e.device_type == cuda and e.device_time_total > 0]
+    if kernels is not None:
+        for e in events:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.end - e.time_range.start
+    return busy_intervals_us((e.time_range.start, e.time_range.end) for e in events)
 
 
 def peak_memory(fn: Callable[[], Any], device: str) -> int | None:

@@ -403,10 +403,18 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
         for prov in (live if r % 2 == 0 else live[::-1]):
             model = models[(prov, static)]
             st = stats[prov]
+            k_long: dict[str, float] = {}
+            k_short: dict[str, float] = {}
             try:
-                b_long = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_long, static, cfg, device, st))
-                b_short = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_short, static, cfg, device, st))
+                b_long = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_long, static, cfg, device, st), k_long)
+                b_short = gpu_busy_us(lambda: timed_generate(model, ids, mask, n_short, static, cfg, device, st),
+                                      k_short)
                 st.busy_ms.append((b_long - b_short) / 1e3 / (n_long - n_short))
+                if r == 0 and args.busy_top:
+                    per_token = {k: (v - k_short.get(k, 0.0)) / (n_long - n_short) for k, v in k_long.items()}
+                    top = sorted(per_token.items(), key=lambda kv: -kv[1])[:args.busy_top]
+                    log(f"[{op}] {cache} B={batch} {prov}: top kernels, us per token: "
+                        + "; ".join(f"{us:.1f} {name[:100]}" for name, us in top))
             except Exception as e:  # noqa: BLE001 - the wall-time rows stand without it
                 log(f"[{op}] {cache} B={batch} {prov}: GPU busy not measured: {describe_exception(e)}")
                 break
@@ -492,6 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 5; --quick 2)")
     p.add_argument("--busy-rounds", type=int, default=2, help="profiled rounds for the GPU busy time per token "
                    "(CUDA; after the timed rounds; 0: none)")
+    p.add_argument("--busy-top", type=int, default=0, help="log the N kernels with the most time per token")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per timed call (default 48; --quick 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 64 (--quick 16)")
     p.add_argument("--layers", type=int, default=None, help="override the decoder layer count")
