@@ -500,7 +500,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 5; --quick 2)")
     p.add_argument("--busy-rounds", type=int, default=2, help="profiled rounds for the GPU busy time per token "
                    "(CUDA; after the timed rounds; 0: none)")
-    p.add_argument("--busy-top", type=int, default=0, help="log the N kernels with the most time per token")
+    p.add_argument("--busy-top", type=int, default=6, help="log the N kernels with the most GPU time per token "
+                   "(first profiled round; 0: none)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per timed call (default 48; --quick 8)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 64 (--quick 16)")
     p.add_argument("--layers", type=int, default=None, help="override the decoder layer count")
