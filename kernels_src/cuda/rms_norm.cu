@@ -936,6 +936,155 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 #endif
 }
 
+// ---- forward, long aligned rows: two passes, the second from L2 (the "l2" family) ---------------------------------
+// Aligned rows of whole packs (as the reg family) where the bytes in flight, not the registers, should set the pace:
+// a CTA of kL2Threads threads takes one row at a time (grid-stride over rows; the host sizes the grid so the rows in
+// flight stay within half the L2). Pass 1 streams the row with U 16-byte loads in flight per thread and forms h
+// (written with a residual) and the sum of squares; pass 2 reads the row again (x, or the h just written) from L2
+// with evict-first loads, the weight with it, and writes y with streaming stores. HBM sees one read and one write.
+// torch.compile's looped reduction runs 32K-element bf16 rows this way at 4.0-4.2 TB/s on the H200, where the
+// register row (one 512-thread CTA per SM) stops at 3.4 -- docs/tuning-log.md#rmsnorm-l2.
+constexpr int kL2Threads = 512;
+constexpr int kL2Unroll = 2;  // 16-byte loads per thread and pass in flight: 4 would take 124 registers (1 CTA per SM)
+
+template <typename TW, typename TY, typename TH, int U, int VEC>
+__device__ __forceinline__ void l2_store_y(const TH* __restrict__ hr, const void* w, TY* __restrict__ yr, int nv,
+                                           float rs, float offset) {
+  using HPack = Pack<TH, VEC>;
+  using YPack = Pack<TY, VEC>;
+  constexpr bool kW = !std::is_same_v<TW, NoWeight>;
+  using WPack = Pack<std::conditional_t<kW, TW, TH>, VEC>;
+  const float rs_off = rs * offset;
+#pragma unroll 1
+  for (int base = static_cast<int>(threadIdx.x); base < nv; base += kL2Threads * U) {
+    HPack hv[U];
+    WPack wv[kW ? U : 1];
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int p = base + i * kL2Threads;
+      if (p < nv) {
+        const uint4* src = reinterpret_cast<const uint4*>(hr + p * VEC);
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k) hv[i].u[k] = __ldcs(src + k);  // the row's last use
+        if constexpr (kW) {
+          const uint4* ws = reinterpret_cast<const uint4*>(static_cast<const TW*>(w) + p * VEC);
+#pragma unroll
+          for (int k = 0; k < WPack::kUnits; ++k) wv[i].u[k] = __ldg(ws + k);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int p = base + i * kL2Threads;
+      if (p >= nv) continue;
+      YPack o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if constexpr (kW) {
+          o.v[j] = from_float<TY>(hv[i].f(j) * fmaf(wv[i].f(j), rs, rs_off));
+        } else {
+          o.v[j] = from_float<TY>(hv[i].f(j) * rs);
+        }
+      }
+      uint4* dst = reinterpret_cast<uint4*>(yr + p * VEC);
+#pragma unroll
+      for (int k = 0; k < YPack::kUnits; ++k) __stcs(dst + k, o.u[k]);  // y is not read again: keep the L2 for rows
+    }
+  }
+}
+
+template <typename TX, typename TH, bool RES, int U>
+__global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kernel(const FwdRegArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  using HPack = Pack<TH, VEC>;
+  static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
+  static_assert(XPack::kUnits == 1, "an x pack is one 16-byte unit");
+  __shared__ float red[2][kL2Threads / 32];  // double-buffered by row parity: one barrier per row
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nv = a.nv;
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < a.M; row += gridDim.x) {
+    const TX* xr = static_cast<const TX*>(a.x) + row * a.x_stride;
+    const TH* rr = RES ? static_cast<const TH*>(a.res) + row * a.res_stride : nullptr;
+    TH* hr = RES ? static_cast<TH*>(a.h) + row * static_cast<int64_t>(a.N) : nullptr;
+    float ssv[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+#pragma unroll 1
+    for (int base = tid; base < nv; base += kL2Threads * U) {
+      XPack xv[U];
+      HPack rv[RES ? U : 1];
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        const int p = base + i * kL2Threads;
+        if (p < nv) {
+          const uint4* src = reinterpret_cast<const uint4*>(xr + p * VEC);
+          // Without a residual pass 2 reads x again: a default load keeps it in L2; else x is read once.
+          xv[i].u[0] = RES ? __ldcs(src) : *src;
+          if constexpr (RES) {
+            const uint4* rs = reinterpret_cast<const uint4*>(rr + p * VEC);
+#pragma unroll
+            for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = __ldcs(rs + k);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        const int p = base + i * kL2Threads;
+        if (p >= nv) continue;
+        HPack hv;
+        if constexpr (RES) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) hv.v[j] = from_float<TH>(xv[i].f(j) + rv[i].f(j));
+          // The residual stream carries h rounded to its dtype; exactly that value is normalised in pass 2.
+          uint4* dst = reinterpret_cast<uint4*>(hr + p * VEC);
+#pragma unroll
+          for (int k = 0; k < HPack::kUnits; ++k) dst[k] = hv.u[k];
+        } else {
+          hv = xv[i];
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float f = hv.f(j);
+          ssv[j] = fmaf(f, f, ssv[j]);
+        }
+      }
+    }
+    float v = sum_vec(ssv);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    float* s = red[parity];
+    parity ^= 1;
+    if ((tid & 31) == 0) s[tid >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < kL2Threads / 32; ++k) t += s[k];  // fixed order: every thread gets the same bits
+    const float rs = rsqrtf(t * a.inv_n + a.eps);
+    if (tid == 0) a.rstd[row] = rs;
+    // Pass 2 reads h back: with a residual the h this thread just wrote (same addresses, program order).
+    const TH* src = RES ? hr : reinterpret_cast<const TH*>(xr);
+    const int64_t yo = row * static_cast<int64_t>(a.N);
+    auto out = [&](auto wtag) {
+      using TW = decltype(wtag);
+      if (a.y_f32) {
+        l2_store_y<TW, float, TH, U, VEC>(src, a.w, static_cast<float*>(a.y) + yo, nv, rs, a.offset);
+      } else {
+        l2_store_y<TW, TX, TH, U, VEC>(src, a.w, static_cast<TX*>(a.y) + yo, nv, rs, a.offset);
+      }
+    };
+    if (a.w == nullptr) {
+      out(NoWeight{});
+    } else if (a.w_f32) {
+      out(float{});
+    } else {
+      out(TX{});
+    }
+  }
+}
+
+
 // ---- backward ----------------------------------------------------------------------------------------------
 
 struct BwdArgs {
@@ -1340,6 +1489,7 @@ struct DeviceInfo {
   int sms = 0;
   int smem_optin = 0;  // max dynamic + static smem per block with the opt-in attribute
   int major = 0;
+  int l2_bytes = 0;
 };
 
 // Queried once per device and cached. (A mutex, not std::call_once: call_once binds pthread_once@GLIBC_2.34,
@@ -1356,6 +1506,7 @@ const DeviceInfo& device_info(int dev) {
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+      FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, dev));
       infos[dev] = d;
       ready[dev].store(true, std::memory_order_release);
     }
@@ -1605,17 +1756,19 @@ void dispatch_int(int v, F&& f) {
 
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=2|4|8] [,packs=1|2|4|8], read once per process ("dynamic" first: re-read at
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K], read once per process ("dynamic" first: re-read at
 // every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg kernels for aligned rows of
 // whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they apply, ahead of that switch;
 // legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg launch takes clusters of C
 // CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <= the dtype's maximum): every
-// reg launch holds P packs per thread, the threads per row following (tests and tuning sweeps).
+// reg launch holds P packs per thread, the threads per row following (tests and tuning sweeps). l2: the l2 kernel
+// wherever it applies (aligned rows of whole packs), ctas=K of them per SM (at most the resident count).
 struct FwdKnob {
-  enum Mode { kAuto, kReg, kLegacy };
+  enum Mode { kAuto, kReg, kLegacy, kL2 };
   Mode mode = kAuto;
   int cluster = 0;
   int packs = 0;  // packs per thread of the reg kernels (0: the table's)
+  int ctas = 0;   // l2 kernel: CTAs per SM (0: the L2 rule, launch_fwd_l2)
 };
 
 FwdKnob parse_fwd_knob(const char* e) {
@@ -1625,8 +1778,10 @@ FwdKnob parse_fwd_knob(const char* e) {
   const std::string head = s.substr(0, s.find(','));
   if (head == "reg") k.mode = FwdKnob::kReg;
   else if (head == "legacy") k.mode = FwdKnob::kLegacy;
+  else if (head == "l2") k.mode = FwdKnob::kL2;
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
+  if (const int c = knob_value(s, "ctas", 0); c >= 1 && c <= 32) k.ctas = c;
   return k;
 }
 
@@ -1812,6 +1967,44 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   return launched;
 }
 
+// Launches the l2 kernel for this call when it applies (aligned rows of whole packs, a spill-free build); false: the
+// caller takes another kernel. Grid: SMs x the CTAs per SM whose rows in flight (one per CTA: x, plus the residual
+// and h) fit half the L2, at least one and at most the resident count; `forced_ctas` > 0 replaces that rule.
+template <typename TX, typename TH, bool RES>
+bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_ctas, cudaStream_t stream) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  const int64_t N = a.N, M = a.M;
+  if (N == 0 || N % VEC != 0 || N > (int64_t{1} << 24)) return false;
+  auto* kern = &rms_norm_fwd_l2_kernel<TX, TH, RES, kL2Unroll>;
+  if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
+  const int occ = blocks_per_sm(reinterpret_cast<const void*>(kern), kL2Threads, 0, dev);
+  if (occ < 1) return false;
+  const int64_t row_bytes = N * static_cast<int64_t>(sizeof(TX) + (RES ? 2 * sizeof(TH) : 0));
+  int64_t per_sm = forced_ctas > 0 ? forced_ctas : (static_cast<int64_t>(info.l2_bytes) / 2) / (row_bytes * info.sms);
+  per_sm = std::min<int64_t>(std::max<int64_t>(per_sm, 1), occ);
+  const int64_t grid = std::min<int64_t>(M, per_sm * info.sms);
+  FwdRegArgs b{};
+  b.x = a.x;
+  b.x_stride = a.x_stride;
+  b.res = a.res;
+  b.res_stride = a.res_stride;
+  b.h = a.h;
+  b.w = a.w;
+  b.y = a.y;
+  b.rstd = a.rstd;
+  b.M = M;
+  b.N = static_cast<int>(N);
+  b.nv = static_cast<int>(N / VEC);
+  b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
+  b.eps = a.eps;
+  b.offset = a.offset;
+  b.w_f32 = a.w_f32;
+  b.y_f32 = a.y_f32;
+  kern<<<static_cast<unsigned>(grid), kL2Threads, 0, stream>>>(b);
+  FM_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 }  // namespace
 }  // namespace fused_mlp::cuda
 
@@ -1891,6 +2084,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
       constexpr bool RES = decltype(res_tag)::value;
       // Aligned rows of whole packs: the reg family (FUSED_MLP_RMS_NORM_FWD=reg: ahead of the few-rows switch).
       const bool reg_ok = fwd.mode != FwdKnob::kLegacy && a.vec_ok;
+      if (reg_ok && fwd.mode == FwdKnob::kL2 && launch_fwd_l2<TX, TH, RES>(a, info, dev, fwd.ctas, stream)) return;
       if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&

@@ -853,24 +853,29 @@ _REG_CASES = textwrap.dedent(
         case(torch.float16, 1, 65536, offset=1.0)
     x = make((64, 4096), torch.bfloat16, "cuda")
     names = kernel_names(lambda: fm.rms_norm(x, None))
-    want_reg = knob != "legacy"
+    l2 = knob.startswith("l2")
+    want_reg = knob != "legacy" and not l2
     assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
+    assert ("rms_norm_fwd_l2_kernel" in names) == l2, names
     if cap[0] >= 9:
         x = make((2, 65536), torch.bfloat16, "cuda")
         names = kernel_names(lambda: fm.rms_norm(x, None))
         assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
+        assert ("rms_norm_fwd_l2_kernel" in names) == l2, names
     print("ok")
     """
 )
 
 
 @requires_cuda
-@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "legacy"])
+@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "legacy", "l2",
+                                  "l2,ctas=1"])
 def test_cuda_reg_forward_subprocess(knob):
     """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
     the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels) under
     the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
-    M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels. The profiler confirms which."""
+    M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels, "l2" on the two-pass l2 kernel
+    (one row per CTA at a time; ctas=1: 132 CTAs loop over rows). The profiler confirms which."""
     forced = "cluster=" in knob
     code = _REG_CASES.format(tests=str(ROOT / "tests"), ops=str(ROOT / "tests" / "ops"), root=str(ROOT), knob=knob,
                              forced=forced)
