@@ -945,20 +945,21 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 // torch.compile's looped reduction runs 32K-element bf16 rows this way at 4.0-4.2 TB/s on the H200, where the
 // register row (one 512-thread CTA per SM) stops at 3.4 -- docs/tuning-log.md#rmsnorm-l2.
 constexpr int kL2Threads = 512;
-constexpr int kL2Unroll = 2;  // 16-byte loads per thread and pass in flight: 4 would take 124 registers (1 CTA per SM)
+constexpr int kL2Unroll = 4;  // 16-byte loads per thread and pass in flight (x, or h)
 
-template <typename TW, typename TY, typename TH, int U, int VEC>
-__device__ __forceinline__ void l2_store_y(const TH* __restrict__ hr, const void* w, TY* __restrict__ yr, int nv,
-                                           float rs, float offset) {
+// Pass 2 for the common case only (a weight of x's dtype, y in x's dtype): each variant inlined in one kernel costs
+// registers (six took 124 at U = 4, one 82), and the weight pack is read per pack after the h loads are issued (L1 /
+// L2 hits), so only the h packs are held.
+template <typename TX, typename TH, int U, int VEC>
+__device__ __forceinline__ void l2_store_y(const TH* __restrict__ hr, const TX* __restrict__ w, TX* __restrict__ yr,
+                                           int nv, float rs, float offset) {
   using HPack = Pack<TH, VEC>;
-  using YPack = Pack<TY, VEC>;
-  constexpr bool kW = !std::is_same_v<TW, NoWeight>;
-  using WPack = Pack<std::conditional_t<kW, TW, TH>, VEC>;
+  using YPack = Pack<TX, VEC>;
+  using WPack = Pack<TX, VEC>;
   const float rs_off = rs * offset;
 #pragma unroll 1
   for (int base = static_cast<int>(threadIdx.x); base < nv; base += kL2Threads * U) {
     HPack hv[U];
-    WPack wv[kW ? U : 1];
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int p = base + i * kL2Threads;
@@ -966,29 +967,18 @@ __device__ __forceinline__ void l2_store_y(const TH* __restrict__ hr, const void
         const uint4* src = reinterpret_cast<const uint4*>(hr + p * VEC);
 #pragma unroll
         for (int k = 0; k < HPack::kUnits; ++k) hv[i].u[k] = __ldcs(src + k);  // the row's last use
-        if constexpr (kW) {
-          const uint4* ws = reinterpret_cast<const uint4*>(static_cast<const TW*>(w) + p * VEC);
-#pragma unroll
-          for (int k = 0; k < WPack::kUnits; ++k) wv[i].u[k] = __ldg(ws + k);
-        }
       }
     }
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int p = base + i * kL2Threads;
       if (p >= nv) continue;
+      WPack wv;
+      wv.u[0] = __ldg(reinterpret_cast<const uint4*>(w + p * VEC));
       YPack o;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        if constexpr (kW) {
-          o.v[j] = from_float<TY>(hv[i].f(j) * fmaf(wv[i].f(j), rs, rs_off));
-        } else {
-          o.v[j] = from_float<TY>(hv[i].f(j) * rs);
-        }
-      }
-      uint4* dst = reinterpret_cast<uint4*>(yr + p * VEC);
-#pragma unroll
-      for (int k = 0; k < YPack::kUnits; ++k) __stcs(dst + k, o.u[k]);  // y is not read again: keep the L2 for rows
+      for (int j = 0; j < VEC; ++j) o.v[j] = from_float<TX>(hv[i].f(j) * fmaf(wv.f(j), rs, rs_off));
+      __stcs(reinterpret_cast<uint4*>(yr + p * VEC), o.u[0]);  // y is not read again: keep the L2 for rows
     }
   }
 }
@@ -1065,25 +1055,10 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
     if (tid == 0) a.rstd[row] = rs;
     // Pass 2 reads h back: with a residual the h this thread just wrote (same addresses, program order).
     const TH* src = RES ? hr : reinterpret_cast<const TH*>(xr);
-    const int64_t yo = row * static_cast<int64_t>(a.N);
-    auto out = [&](auto wtag) {
-      using TW = decltype(wtag);
-      if (a.y_f32) {
-        l2_store_y<TW, float, TH, U, VEC>(src, a.w, static_cast<float*>(a.y) + yo, nv, rs, a.offset);
-      } else {
-        l2_store_y<TW, TX, TH, U, VEC>(src, a.w, static_cast<TX*>(a.y) + yo, nv, rs, a.offset);
-      }
-    };
-    if (a.w == nullptr) {
-      out(NoWeight{});
-    } else if (a.w_f32) {
-      out(float{});
-    } else {
-      out(TX{});
-    }
+    l2_store_y<TX, TH, U, VEC>(src, static_cast<const TX*>(a.w), static_cast<TX*>(a.y) + row * static_cast<int64_t>(a.N),
+                              nv, rs, a.offset);
   }
 }
-
 
 // ---- backward ----------------------------------------------------------------------------------------------
 
@@ -1975,6 +1950,7 @@ bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   const int64_t N = a.N, M = a.M;
   if (N == 0 || N % VEC != 0 || N > (int64_t{1} << 24)) return false;
+  if (a.w == nullptr || a.w_f32 || a.y_f32) return false;  // the kernel's one weight / output variant
   auto* kern = &rms_norm_fwd_l2_kernel<TX, TH, RES, kL2Unroll>;
   if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
   const int occ = blocks_per_sm(reinterpret_cast<const void*>(kern), kL2Threads, 0, dev);

@@ -852,14 +852,16 @@ _REG_CASES = textwrap.dedent(
             case(torch.bfloat16, M, 2048, w=None, res=torch.bfloat16)
         case(torch.float16, 1, 65536, offset=1.0)
     x = make((64, 4096), torch.bfloat16, "cuda")
-    names = kernel_names(lambda: fm.rms_norm(x, None))
+    wk = make((4096,), torch.bfloat16, "cuda", seed=3)  # the l2 kernel takes a weight of x's dtype only
+    names = kernel_names(lambda: fm.rms_norm(x, wk))
     l2 = knob.startswith("l2")
     want_reg = knob != "legacy" and not l2
     assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
     assert ("rms_norm_fwd_l2_kernel" in names) == l2, names
     if cap[0] >= 9:
         x = make((2, 65536), torch.bfloat16, "cuda")
-        names = kernel_names(lambda: fm.rms_norm(x, None))
+        wk = make((65536,), torch.bfloat16, "cuda", seed=3)
+        names = kernel_names(lambda: fm.rms_norm(x, wk))
         assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
         assert ("rms_norm_fwd_l2_kernel" in names) == l2, names
     print("ok")
