@@ -9,6 +9,8 @@
 //               PACKS (compile-time) 16-byte packs per thread, all loads issued before any use, one predicate per pack,
 //               non-persistent grid of many resident CTAs; rows per CTA for short rows; on sm_90+ rows beyond one
 //               CTA split over a cluster of 2..8 CTAs (partial sums through distributed smem). Table below.
+//   fwd l2    — 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no fp32 stream), ahead of
+//               reg: one row per 512-thread CTA at a time, two passes over it, the second from L2 (rms_norm_fwd_l2_kernel).
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -938,12 +940,11 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 
 // ---- forward, long aligned rows: two passes, the second from L2 (the "l2" family) ---------------------------------
 // Aligned rows of whole packs (as the reg family) where the bytes in flight, not the registers, should set the pace:
-// a CTA of kL2Threads threads takes one row at a time (grid-stride over rows; the host sizes the grid so the rows in
-// flight stay within half the L2). Pass 1 streams the row with U 16-byte loads in flight per thread and forms h
+// a CTA of kL2Threads threads takes one row at a time (grid-stride over rows, as many CTAs as are resident). Pass 1 streams the row with U 16-byte loads in flight per thread and forms h
 // (written with a residual) and the sum of squares; pass 2 reads the row again (x, or the h just written) from L2
 // with evict-first loads, the weight with it, and writes y with streaming stores. HBM sees one read and one write.
 // torch.compile's looped reduction runs 32K-element bf16 rows this way at 4.0-4.2 TB/s on the H200, where the
-// register row (one 512-thread CTA per SM) stops at 3.4 -- docs/tuning-log.md#rmsnorm-l2.
+// register row (one 512-thread CTA per SM) stops at 3.4; this kernel reads 3.6-3.8 -- docs/tuning-log.md#rmsnorm-reg-config.
 constexpr int kL2Threads = 512;
 constexpr int kL2Unroll = 4;  // 16-byte loads per thread and pass in flight (x, or h)
 
@@ -1464,7 +1465,6 @@ struct DeviceInfo {
   int sms = 0;
   int smem_optin = 0;  // max dynamic + static smem per block with the opt-in attribute
   int major = 0;
-  int l2_bytes = 0;
 };
 
 // Queried once per device and cached. (A mutex, not std::call_once: call_once binds pthread_once@GLIBC_2.34,
@@ -1481,7 +1481,6 @@ const DeviceInfo& device_info(int dev) {
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
-      FM_CUDA_CHECK(cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, dev));
       infos[dev] = d;
       ready[dev].store(true, std::memory_order_release);
     }
@@ -1737,7 +1736,8 @@ void dispatch_int(int v, F&& f) {
 // legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg launch takes clusters of C
 // CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <= the dtype's maximum): every
 // reg launch holds P packs per thread, the threads per row following (tests and tuning sweeps). l2: the l2 kernel
-// wherever it applies (aligned rows of whole packs), ctas=K of them per SM (at most the resident count).
+// wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of them per SM (at most the
+// resident count); auto takes it for 16-bit rows of 32768..65536 elements.
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy, kL2 };
   Mode mode = kAuto;
@@ -1942,9 +1942,10 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   return launched;
 }
 
-// Launches the l2 kernel for this call when it applies (aligned rows of whole packs, a spill-free build); false: the
-// caller takes another kernel. Grid: SMs x the CTAs per SM whose rows in flight (one per CTA: x, plus the residual
-// and h) fit half the L2, at least one and at most the resident count; `forced_ctas` > 0 replaces that rule.
+// Launches the l2 kernel for this call when it applies (aligned rows of whole packs, a weight and y of x's dtype, a
+// spill-free build); false: the caller takes another kernel. Grid: SMs x the resident CTAs per SM (2 without a
+// residual, 1 with one: registers), or `forced_ctas` per SM (at most the resident count). Sizing it to keep the rows
+// in flight within half the L2 (1 CTA per SM at N = 65536) read 7% lower -- docs/tuning-log.md#rmsnorm-reg-config.
 template <typename TX, typename TH, bool RES>
 bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_ctas, cudaStream_t stream) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
@@ -1955,9 +1956,7 @@ bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced
   if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
   const int occ = blocks_per_sm(reinterpret_cast<const void*>(kern), kL2Threads, 0, dev);
   if (occ < 1) return false;
-  const int64_t row_bytes = N * static_cast<int64_t>(sizeof(TX) + (RES ? 2 * sizeof(TH) : 0));
-  int64_t per_sm = forced_ctas > 0 ? forced_ctas : (static_cast<int64_t>(info.l2_bytes) / 2) / (row_bytes * info.sms);
-  per_sm = std::min<int64_t>(std::max<int64_t>(per_sm, 1), occ);
+  const int64_t per_sm = forced_ctas > 0 ? std::min(forced_ctas, occ) : occ;
   const int64_t grid = std::min<int64_t>(M, per_sm * info.sms);
   FwdRegArgs b{};
   b.x = a.x;
@@ -2113,6 +2112,13 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
           return;
         }
       }
+      // Long 16-bit rows (32768 <= N <= 65536) with a weight and y of x's dtype and no fp32 stream, sm_90 (where it
+      // was measured): the l2 kernel, 1.03-1.10x the reg family there (0.92x at N = 24576 and 131072)
+      // -- docs/tuning-log.md#rmsnorm-reg-config.
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major >= 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
+          N >= 32768 &&
+          N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
+        return;
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
       // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
       if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;

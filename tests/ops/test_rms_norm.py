@@ -886,6 +886,37 @@ def test_cuda_reg_forward_subprocess(knob):
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
 
 
+@requires_cuda
+def test_cuda_auto_takes_the_l2_kernel_for_long_rows(fm):
+    """Without a knob, the forward takes the l2 kernel for 16-bit rows of 32768..65536 elements with a weight and y of
+    x's dtype (with or without a residual of x's dtype) on sm_90+, and the reg family around that class or for the
+    other variants (no weight, fp32 weight or output, an fp32 stream), all under the 2x rule."""
+    if os.environ.get("FUSED_MLP_RMS_NORM_FWD") or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the auto dispatch of sm_90+ without FUSED_MLP_RMS_NORM_FWD")
+
+    def names_of(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, l2 in ((24576, False), (32768, True), (40960, True), (65536, True), (131072, False)):
+            x = make((3, n), dtype, "cuda")
+            w = (1 + 0.25 * make((n,), dtype, "cuda", seed=1))
+            r = make((3, n), dtype, "cuda", seed=2)
+            for kwargs, want in ((dict(weight=w), l2), (dict(weight=w, residual=r), l2),
+                                 (dict(weight=None), False), (dict(weight=w.float()), False),
+                                 (dict(weight=w, out_dtype=torch.float32), False),
+                                 (dict(weight=w, residual=r.float(), residual_dtype=torch.float32), False)):
+                names = names_of(lambda: fm.rms_norm(x, kwargs["weight"], 1e-6,
+                                                     **{k: v for k, v in kwargs.items() if k != "weight"}))
+                assert ("rms_norm_fwd_l2_kernel" in names) == want, (dtype, n, list(kwargs), names)
+                run_case(fm, x, kwargs["weight"], residual=kwargs.get("residual"),
+                         residual_dtype=kwargs.get("residual_dtype"), out_dtype=kwargs.get("out_dtype"),
+                         check_grads=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_fast_path_matches_the_full_path(fm, device, dtype):
     """Training calls without a residual go straight to the autograd Function; an ``eps`` that is a float subclass
