@@ -9,8 +9,8 @@
 //               PACKS (compile-time) 16-byte packs per thread, all loads issued before any use, one predicate per pack,
 //               non-persistent grid of many resident CTAs; rows per CTA for short rows; on sm_90+ rows beyond one
 //               CTA split over a cluster of 2..8 CTAs (partial sums through distributed smem). Table below.
-//   fwd l2    — 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no fp32 stream), ahead of
-//               reg: one row per 512-thread CTA at a time, two passes over it, the second from L2 (rms_norm_fwd_l2_kernel).
+//   fwd l2    — sm_90, 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no fp32 stream),
+//               ahead of reg: one row per 512-thread CTA at a time, two passes over it, the second from L2.
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -940,11 +940,12 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 
 // ---- forward, long aligned rows: two passes, the second from L2 (the "l2" family) ---------------------------------
 // Aligned rows of whole packs (as the reg family) where the bytes in flight, not the registers, should set the pace:
-// a CTA of kL2Threads threads takes one row at a time (grid-stride over rows, as many CTAs as are resident). Pass 1 streams the row with U 16-byte loads in flight per thread and forms h
-// (written with a residual) and the sum of squares; pass 2 reads the row again (x, or the h just written) from L2
-// with evict-first loads, the weight with it, and writes y with streaming stores. HBM sees one read and one write.
-// torch.compile's looped reduction runs 32K-element bf16 rows this way at 4.0-4.2 TB/s on the H200, where the
-// register row (one 512-thread CTA per SM) stops at 3.4; this kernel reads 3.6-3.8 -- docs/tuning-log.md#rmsnorm-reg-config.
+// a CTA of kL2Threads threads takes one row at a time (grid-stride over rows, as many CTAs as are resident). Pass 1
+// streams the row with U 16-byte loads in flight per thread and forms h (written with a residual) and the sum of
+// squares; pass 2 reads the row again (x, or the h just written) from L2 with evict-first loads, the weight with it,
+// and writes y with streaming stores. HBM sees one read and one write. torch.compile's looped reduction runs
+// 32K-element bf16 rows this way at 4.0-4.2 TB/s on the H200, where the register row (one 512-thread CTA per SM)
+// stops at 3.4; this kernel reads 3.6-3.8 -- docs/tuning-log.md#rmsnorm-reg-config.
 constexpr int kL2Threads = 512;
 constexpr int kL2Unroll = 4;  // 16-byte loads per thread and pass in flight (x, or h)
 
@@ -1056,8 +1057,8 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
     if (tid == 0) a.rstd[row] = rs;
     // Pass 2 reads h back: with a residual the h this thread just wrote (same addresses, program order).
     const TH* src = RES ? hr : reinterpret_cast<const TH*>(xr);
-    l2_store_y<TX, TH, U, VEC>(src, static_cast<const TX*>(a.w), static_cast<TX*>(a.y) + row * static_cast<int64_t>(a.N),
-                              nv, rs, a.offset);
+    TX* yr = static_cast<TX*>(a.y) + row * static_cast<int64_t>(a.N);
+    l2_store_y<TX, TH, U, VEC>(src, static_cast<const TX*>(a.w), yr, nv, rs, a.offset);
   }
 }
 
@@ -1730,20 +1731,20 @@ void dispatch_int(int v, F&& f) {
 
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K], read once per process ("dynamic" first: re-read at
-// every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg kernels for aligned rows of
-// whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they apply, ahead of that switch;
-// legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg launch takes clusters of C
-// CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <= the dtype's maximum): every
-// reg launch holds P packs per thread, the threads per row following (tests and tuning sweeps). l2: the l2 kernel
-// wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of them per SM (at most the
-// resident count); auto takes it for 16-bit rows of 32768..65536 elements.
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K], read once per process
+// ("dynamic" first: re-read at every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg
+// kernels for aligned rows of whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they
+// apply, ahead of that switch; legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg
+// launch takes clusters of C CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <=
+// the dtype's maximum): every reg launch holds P packs per thread, the threads per row following (tests and tuning
+// sweeps). l2: the l2 kernel wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of
+// them per SM (at most the resident count); auto takes it on sm_90 for 16-bit rows of 32768..65536 elements.
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy, kL2 };
   Mode mode = kAuto;
   int cluster = 0;
   int packs = 0;  // packs per thread of the reg kernels (0: the table's)
-  int ctas = 0;   // l2 kernel: CTAs per SM (0: the L2 rule, launch_fwd_l2)
+  int ctas = 0;   // l2 kernel: CTAs per SM (0: every resident one, launch_fwd_l2)
 };
 
 FwdKnob parse_fwd_knob(const char* e) {
@@ -2115,7 +2116,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
       // Long 16-bit rows (32768 <= N <= 65536) with a weight and y of x's dtype and no fp32 stream, sm_90 (where it
       // was measured): the l2 kernel, 1.03-1.10x the reg family there (0.92x at N = 24576 and 131072)
       // -- docs/tuning-log.md#rmsnorm-reg-config.
-      if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major >= 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
           N >= 32768 &&
           N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
         return;
