@@ -9,8 +9,8 @@
 //               PACKS (compile-time) 16-byte packs per thread, all loads issued before any use, one predicate per pack,
 //               non-persistent grid of many resident CTAs; rows per CTA for short rows; on sm_90+ rows beyond one
 //               CTA split over a cluster of 2..8 CTAs (partial sums through distributed smem). Table below.
-//   fwd l2    — sm_90, 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no fp32 stream),
-//               ahead of reg: one row per 512-thread CTA at a time, two passes over it, the second from L2.
+//   fwd l2    — sm_90, M >= 1024 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no
+//               fp32 stream), ahead of reg: one row per 512-thread CTA at a time, two passes, the second from L2.
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -1738,7 +1738,7 @@ void dispatch_int(int v, F&& f) {
 // launch takes clusters of C CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <=
 // the dtype's maximum): every reg launch holds P packs per thread, the threads per row following (tests and tuning
 // sweeps). l2: the l2 kernel wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of
-// them per SM (at most the resident count); auto takes it on sm_90 for 16-bit rows of 32768..65536 elements.
+// them per SM (at most the resident count); auto takes it on sm_90 for >= 1024 16-bit rows of 32768..65536.
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy, kL2 };
   Mode mode = kAuto;
@@ -2113,12 +2113,12 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
           return;
         }
       }
-      // Long 16-bit rows (32768 <= N <= 65536) with a weight and y of x's dtype and no fp32 stream, sm_90 (where it
-      // was measured): the l2 kernel, 1.03-1.10x the reg family there (0.92x at N = 24576 and 131072)
+      // Long 16-bit rows (32768 <= N <= 65536, M >= 1024) with a weight and y of x's dtype and no fp32 stream, sm_90:
+      // the l2 kernel, 1.02-1.16x the reg family there (0.92x at N = 24576 and 131072). The bounds are the measured
+      // ones; fewer rows (one CTA per row: idle SMs where the reg kernel splits a row over a cluster) keep reg
       // -- docs/tuning-log.md#rmsnorm-reg-config.
       if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
-          N >= 32768 &&
-          N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
+          M >= 1024 && N >= 32768 && N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
         return;
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
       // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
