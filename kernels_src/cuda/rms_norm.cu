@@ -1876,6 +1876,30 @@ int reg_active_clusters(const void* kernel, int threads, int csize, int dev) {
   return n;
 }
 
+// The FwdRegArgs fields the reg and l2 launchers share, from the forward's arguments (nv packs per row); the rest
+// (the reg kernel's row split) stays zero.
+FwdRegArgs reg_args(const FwdArgs& a, int64_t nv) {
+  FwdRegArgs b{};
+  b.x = a.x;
+  b.x_stride = a.x_stride;
+  b.res = a.res;
+  b.res_stride = a.res_stride;
+  b.h = a.h;
+  b.w = a.w;
+  b.y = a.y;
+  b.rstd = a.rstd;
+  b.M = a.M;
+  b.N = static_cast<int>(a.N);
+  b.nv = static_cast<int>(nv);
+  b.inv_n = static_cast<float>(1.0 / static_cast<double>(a.N));
+  b.eps = a.eps;
+  b.offset = a.offset;
+  b.w_f32 = a.w_f32;
+  b.y_f32 = a.y_f32;
+  b.zero = 0;
+  return b;
+}
+
 // Launches the reg kernel for this call when it applies; false: the caller takes the rows / wide kernels.
 template <typename TX, typename TH, bool RES>
 bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, int forced_packs,
@@ -1887,29 +1911,12 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   const int64_t NV = N / VEC;
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
-  FwdRegArgs b{};
-  b.x = a.x;
-  b.x_stride = a.x_stride;
-  b.res = a.res;
-  b.res_stride = a.res_stride;
-  b.h = a.h;
-  b.w = a.w;
-  b.y = a.y;
-  b.rstd = a.rstd;
-  b.M = M;
-  b.N = static_cast<int>(N);
-  b.nv = static_cast<int>(NV);
+  FwdRegArgs b = reg_args(a, NV);
   b.nvc = static_cast<int>(c.nvc);
   b.tpr = c.tpr;
   b.tpr_shift = c.tpr_shift;
   b.rpb = c.rpb;
   b.c_shift = c.c_shift;
-  b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
-  b.eps = a.eps;
-  b.offset = a.offset;
-  b.w_f32 = a.w_f32;
-  b.y_f32 = a.y_f32;
-  b.zero = 0;
   bool launched = false;
   dispatch_int<1, 2, 4, 8>(c.packs, [&](auto pk) {
     constexpr int P = decltype(pk)::value;
@@ -1959,23 +1966,7 @@ bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced
   if (occ < 1) return false;
   const int64_t per_sm = forced_ctas > 0 ? std::min(forced_ctas, occ) : occ;
   const int64_t grid = std::min<int64_t>(M, per_sm * info.sms);
-  FwdRegArgs b{};
-  b.x = a.x;
-  b.x_stride = a.x_stride;
-  b.res = a.res;
-  b.res_stride = a.res_stride;
-  b.h = a.h;
-  b.w = a.w;
-  b.y = a.y;
-  b.rstd = a.rstd;
-  b.M = M;
-  b.N = static_cast<int>(N);
-  b.nv = static_cast<int>(N / VEC);
-  b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
-  b.eps = a.eps;
-  b.offset = a.offset;
-  b.w_f32 = a.w_f32;
-  b.y_f32 = a.y_f32;
+  const FwdRegArgs b = reg_args(a, N / VEC);
   kern<<<static_cast<unsigned>(grid), kL2Threads, 0, stream>>>(b);
   FM_KERNEL_LAUNCH_CHECK();
   return true;
