@@ -992,7 +992,7 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
   using HPack = Pack<TH, VEC>;
   static_assert(RES || std::is_same_v<TX, TH>, "without a residual h is x");
   static_assert(XPack::kUnits == 1, "an x pack is one 16-byte unit");
-  __shared__ float red[2][kL2Threads / 32];  // double-buffered by row parity: one barrier per row
+  __shared__ float red[64];  // row_reduce_sum's scratch, double-buffered by row parity: one barrier per row
   const int tid = static_cast<int>(threadIdx.x);
   const int nv = a.nv;
   int parity = 0;
@@ -1043,17 +1043,7 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
         }
       }
     }
-    float v = sum_vec(ssv);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    float* s = red[parity];
-    parity ^= 1;
-    if ((tid & 31) == 0) s[tid >> 5] = v;
-    __syncthreads();
-    float t = 0.f;
-#pragma unroll
-    for (int k = 0; k < kL2Threads / 32; ++k) t += s[k];  // fixed order: every thread gets the same bits
-    const float rs = rsqrtf(t * a.inv_n + a.eps);
+    const float rs = rsqrtf(row_reduce_sum(sum_vec(ssv), kL2Threads, red, parity) * a.inv_n + a.eps);
     if (tid == 0) a.rstd[row] = rs;
     // Pass 2 reads h back: with a residual the h this thread just wrote (same addresses, program order).
     const TH* src = RES ? hr : reinterpret_cast<const TH*>(xr);
@@ -1876,10 +1866,11 @@ int reg_active_clusters(const void* kernel, int threads, int csize, int dev) {
   return n;
 }
 
-// The FwdRegArgs fields the reg and l2 launchers share, from the forward's arguments (nv packs per row); the rest
-// (the reg kernel's row split) stays zero.
-FwdRegArgs reg_args(const FwdArgs& a, int64_t nv) {
-  FwdRegArgs b{};
+// The kernel-argument fields the reg, l2 and few-rows launchers share (FwdRegArgs, FwdSmallArgs), from the forward's
+// arguments (nv packs per row); each launcher sets its own row split.
+template <typename B>
+B row_kernel_args(const FwdArgs& a, int64_t nv) {
+  B b{};
   b.x = a.x;
   b.x_stride = a.x_stride;
   b.res = a.res;
@@ -1896,7 +1887,6 @@ FwdRegArgs reg_args(const FwdArgs& a, int64_t nv) {
   b.offset = a.offset;
   b.w_f32 = a.w_f32;
   b.y_f32 = a.y_f32;
-  b.zero = 0;
   return b;
 }
 
@@ -1911,7 +1901,7 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   const int64_t NV = N / VEC;
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
-  FwdRegArgs b = reg_args(a, NV);
+  FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);
   b.nvc = static_cast<int>(c.nvc);
   b.tpr = c.tpr;
   b.tpr_shift = c.tpr_shift;
@@ -1966,7 +1956,7 @@ bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced
   if (occ < 1) return false;
   const int64_t per_sm = forced_ctas > 0 ? std::min(forced_ctas, occ) : occ;
   const int64_t grid = std::min<int64_t>(M, per_sm * info.sms);
-  const FwdRegArgs b = reg_args(a, N / VEC);
+  const FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, N / VEC);
   kern<<<static_cast<unsigned>(grid), kL2Threads, 0, stream>>>(b);
   FM_KERNEL_LAUNCH_CHECK();
   return true;
@@ -2058,26 +2048,10 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
           (small.mode == SmallKnob::kOn || M <= small_max_rows(N))) {
         SmallConfig sc;
         if (small_config(NV, M, info.sms, small.value, sc)) {
-          FwdSmallArgs b{};
-          b.x = a.x;
-          b.x_stride = a.x_stride;
-          b.res = a.res;
-          b.res_stride = a.res_stride;
-          b.h = a.h;
-          b.w = a.w;
-          b.y = a.y;
-          b.rstd = a.rstd;
-          b.M = M;
-          b.N = static_cast<int>(N);
-          b.nv = static_cast<int>(NV);
-          b.inv_n = static_cast<float>(1.0 / static_cast<double>(N));
+          FwdSmallArgs b = row_kernel_args<FwdSmallArgs>(a, NV);
           b.tpr = sc.tpr;
           b.tpr_shift = sc.tpr_shift;
           b.rpb = sc.rpb;
-          b.eps = a.eps;
-          b.offset = a.offset;
-          b.w_f32 = a.w_f32;
-          b.y_f32 = a.y_f32;
           const int64_t grid = (M + sc.rpb - 1) / sc.rpb;  // one row group per block: no loop, no persistence
           if (b.w == nullptr) b.offset = 0.f;  // no weight: the kernel scales by offset + 1 = 1
           dispatch_b_or_f32<TX>(b.w_f32, [&](auto wtag) {
