@@ -103,9 +103,17 @@ constexpr int64_t kMaxDwChunks = 64;
 
 using namespace fused_mlp::cpu;
 
-std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
-    const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
-    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
+namespace {
+// The forward's outputs: h only with a residual, rstd only where the caller keeps it (not the inference entries:
+// docs/tuning-log.md#host-path).
+struct FwdOut {
+  Tensor y;
+  std::optional<Tensor> h, rstd;
+};
+
+FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residual_in,
+                         const std::optional<Tensor>& weight, double eps, double offset, ScalarType out_dtype,
+                         std::optional<ScalarType> residual_dtype, bool keep_rstd) {
   // [..., N] inputs are viewed as [M, N] rows here (a C++ view is far cheaper than a Python reshape); outputs
   // take x's shape.
   FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
@@ -129,19 +137,19 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
              "fused_mlp: weight must be contiguous [", N, "]");
   }
   const fused_mlp::Sizes out_sizes = fused_mlp::sizes_of(x_in);
-  Tensor y = fused_mlp::empty(out_sizes, out_dtype, x);
-  Tensor h = residual.has_value() ? fused_mlp::empty(out_sizes, h_dtype, x) : fused_mlp::empty({0}, xt, x);
-  Tensor rstd = fused_mlp::empty({M}, kFloat, x);
-  if (M == 0) return {y, h, rstd};
+  FwdOut out{fused_mlp::empty(out_sizes, out_dtype, x), std::nullopt, std::nullopt};
+  if (residual.has_value()) out.h = fused_mlp::empty(out_sizes, h_dtype, x);
+  if (keep_rstd) out.rstd = fused_mlp::empty({M}, kFloat, x);
+  if (M == 0) return out;
 
   const std::vector<float> w = scale_row(weight, offset, N);
   const float* s = w.empty() ? nullptr : w.data();
   const float feps = static_cast<float>(eps);
-  float* rstd_p = static_cast<float*>(rstd.data_ptr());
+  float* rstd_p = keep_rstd ? static_cast<float*>(out.rstd->data_ptr()) : nullptr;
   const bool has_res = residual.has_value();
   const bool avx2 = use_avx2();
-  void* const y_p = y.data_ptr();
-  void* const h_p = has_res ? h.data_ptr() : nullptr;
+  void* const y_p = out.y.data_ptr();
+  void* const h_p = has_res ? out.h->data_ptr() : nullptr;
 
   dispatch_cpu(xt, "x", [&](auto xtag) {
     using TX = decltype(xtag);
@@ -158,11 +166,13 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
           TO* yr = static_cast<TO*>(y_p) + r * N;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
           if (avx2) {
-            rstd_p[r] = avx2::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
+            const float rs = avx2::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
+            if (rstd_p != nullptr) rstd_p[r] = rs;
             continue;
           }
 #endif
-          rstd_p[r] = base::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
+          const float rs = base::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
+          if (rstd_p != nullptr) rstd_p[r] = rs;
         }
       });
     };
@@ -179,7 +189,16 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
       with_out(TX{});
     }
   });
-  return {y, h, rstd};
+  return out;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cpu(
+    const Tensor& x, const std::optional<Tensor>& residual, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
+  FwdOut out = rms_norm_fwd_impl(x, residual, weight, eps, offset, out_dtype, residual_dtype, true);
+  Tensor h = out.h.has_value() ? *out.h : fused_mlp::empty({0}, x.scalar_type(), x);
+  return {out.y, h, *out.rstd};
 }
 
 std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
@@ -300,18 +319,19 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
   return {dx, dw};
 }
 
-// Inference entry points: the forward above, returning y (and h) only. Fewer outputs through the op boundary is
-// the saving (each boxed, wrapped and freed by Python; docs/tuning-log.md#host-path); the kernel is the same.
+// Inference entry points: the forward above, returning y (and h) only and storing no rstd. Fewer outputs through the
+// op boundary and fewer allocations are the saving (each output boxed, wrapped and freed by Python;
+// docs/tuning-log.md#host-path); the kernel is the same.
 Tensor rms_norm_infer_cpu(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
                           bool out_f32) {
-  return std::get<0>(
-      rms_norm_fwd_cpu(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt));
+  return rms_norm_fwd_impl(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt,
+                           false).y;
 }
 
 std::tuple<Tensor, Tensor> rms_norm_add_infer_cpu(const Tensor& x, const Tensor& residual,
                                                   const std::optional<Tensor>& weight, double eps, double offset,
                                                   bool out_f32) {
-  auto [y, h, rstd] = rms_norm_fwd_cpu(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
-                                       residual.scalar_type());
-  return {y, h};
+  FwdOut out = rms_norm_fwd_impl(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
+                                 residual.scalar_type(), false);
+  return {out.y, *out.h};
 }

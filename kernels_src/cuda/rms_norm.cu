@@ -285,7 +285,7 @@ struct FwdArgs {
   void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
   const void* w;          // [N] x dtype or fp32, or null
   void* y;                // [M, N] contiguous, x dtype or fp32
-  float* rstd;            // [M]
+  float* rstd;            // [M], or null (inference entries: not stored)
   int64_t M, N;
   float eps, offset;
   int tpr, rpb;           // rows kernel: threads per row, rows per block (blockDim.x == tpr * rpb)
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_rows_kernel(const FwdArgs
     const float ss = row_reduce_sum(sum_vec(ssv), tpr, red, parity);
     const float rs = rsqrtf(ss / static_cast<float>(N) + a.eps);
     if (valid) {
-      if (lane == 0) a.rstd[row] = rs;
+      if (lane == 0 && a.rstd != nullptr) a.rstd[row] = rs;
       char* yr = y_row<TX, TH>(a, row);
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) {
@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_fwd_wide_kernel(const FwdArgs
     }
     const float ss = row_reduce_sum(sum_vec(ssv), T, red, parity);
     const float rs = rsqrtf(ss / static_cast<float>(N) + a.eps);
-    if (threadIdx.x == 0) a.rstd[row] = rs;
+    if (threadIdx.x == 0 && a.rstd != nullptr) a.rstd[row] = rs;
     char* yr = y_row<TX, TH>(a, row);
     for (int v0 = threadIdx.x; v0 < NV; v0 += U * T) {
       HPack hp[U];
@@ -522,7 +522,7 @@ struct FwdSmallArgs {
   void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
   const void* w;          // [N] x dtype or fp32, or null
   void* y;                // [M, N] contiguous, x dtype or fp32
-  float* rstd;            // [M]
+  float* rstd;            // [M], or null (inference entries: not stored)
   int64_t M;
   int N, nv;              // nv = N / VEC packs per row
   float inv_n;            // 1 / N
@@ -666,7 +666,7 @@ __global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_ker
   const float ss = small_row_sum(sum_vec(ssv), tpr, rib, red);
   const float rs = rsqrtf(ss * a.inv_n + a.eps);
   if (!valid) return;  // after the block-wide reduction
-  if (lane == 0) a.rstd[row] = rs;
+  if (lane == 0 && a.rstd != nullptr) a.rstd[row] = rs;
 
   // y = h * rstd * (offset + w), rounded once.
   char* yr = static_cast<char*>(a.y) + row * a.N * (a.y_f32 ? 4 : static_cast<int64_t>(sizeof(TX)));
@@ -711,7 +711,7 @@ struct FwdRegArgs {
   void* h;                // [M, N] contiguous, h dtype (written with a residual), or null
   const void* w;          // [N] x dtype or fp32, or null
   void* y;                // [M, N] contiguous, x dtype or fp32
-  float* rstd;            // [M]
+  float* rstd;            // [M], or null (inference entries: not stored)
   int64_t M;
   int N, nv;              // nv = N / VEC packs per row
   int nvc;                // packs per CTA: nv, or a cluster CTA's slice ceil(nv / cluster size)
@@ -915,7 +915,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
   const float rs = rsqrtf(ss * a.inv_n + a.eps);
 
   if (valid) {
-    if (lane == 0 && col0 == 0) a.rstd[row] = rs;
+    if (lane == 0 && col0 == 0 && a.rstd != nullptr) a.rstd[row] = rs;
     const int64_t yo = row * static_cast<int64_t>(a.N);
     auto out = [&](auto wtag) {
       using TW = decltype(wtag);
@@ -1044,7 +1044,7 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
       }
     }
     const float rs = rsqrtf(row_reduce_sum(sum_vec(ssv), kL2Threads, red, parity) * a.inv_n + a.eps);
-    if (tid == 0) a.rstd[row] = rs;
+    if (tid == 0 && a.rstd != nullptr) a.rstd[row] = rs;
     // Pass 2 reads h back: with a residual the h this thread just wrote (same addresses, program order).
     const TH* src = RES ? hr : reinterpret_cast<const TH*>(xr);
     TX* yr = static_cast<TX*>(a.y) + row * static_cast<int64_t>(a.N);
@@ -1967,9 +1967,17 @@ bool launch_fwd_l2(const FwdArgs& a, const DeviceInfo& info, int dev, int forced
 
 using namespace fused_mlp::cuda;
 
-std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
-    const Tensor& x_in, const std::optional<Tensor>& residual_in, const std::optional<Tensor>& weight,
-    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
+namespace {
+// The forward's outputs: h only with a residual, rstd only where the caller keeps it (not the inference entries:
+// two allocations less per call, docs/tuning-log.md#host-path).
+struct FwdOut {
+  Tensor y;
+  std::optional<Tensor> h, rstd;
+};
+
+FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residual_in,
+                         const std::optional<Tensor>& weight, double eps, double offset, ScalarType out_dtype,
+                         std::optional<ScalarType> residual_dtype, bool keep_rstd) {
   // [..., N] inputs are viewed as [M, N] rows here (cheap in C++); outputs take x's shape.
   FM_CHECK(x_in.dim() >= 1, "fused_mlp: x must have at least one dimension [..., N]");
   const Tensor x = fused_mlp::as_rows_view(x_in);
@@ -1999,11 +2007,11 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
              weight->scalar_type());
   }
   DeviceGuard guard(x);
-  auto y = fused_mlp::empty(fused_mlp::sizes_of(x_in), out_dtype, x);
-  auto h = residual.has_value() ? fused_mlp::empty(fused_mlp::sizes_of(x_in), h_dtype, x)
-                                : fused_mlp::empty({0}, xt, x);
-  auto rstd = fused_mlp::empty({M}, kFloat, x);
-  if (M == 0) return {y, h, rstd};
+  FwdOut out{fused_mlp::empty(fused_mlp::sizes_of(x_in), out_dtype, x), std::nullopt, std::nullopt};
+  if (residual.has_value()) out.h = fused_mlp::empty(fused_mlp::sizes_of(x_in), h_dtype, x);
+  if (keep_rstd) out.rstd = fused_mlp::empty({M}, kFloat, x);
+  if (M == 0) return out;
+  const Tensor& y = out.y;
 
   const int dev = device_index(x);
   const DeviceInfo& info = device_info(dev);
@@ -2018,10 +2026,10 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
   a.x_stride = x.stride(0);
   a.res = has_res ? residual->const_data_ptr() : nullptr;
   a.res_stride = has_res ? residual->stride(0) : 0;
-  a.h = has_res ? h.data_ptr() : nullptr;
+  a.h = has_res ? out.h->data_ptr() : nullptr;
   a.w = weight.has_value() ? weight->const_data_ptr() : nullptr;
   a.y = y.data_ptr();
-  a.rstd = static_cast<float*>(rstd.data_ptr());
+  a.rstd = keep_rstd ? static_cast<float*>(out.rstd->data_ptr()) : nullptr;
   a.M = M;
   a.N = N;
   a.eps = static_cast<float>(eps);
@@ -2029,7 +2037,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
   a.w_f32 = weight.has_value() && weight->scalar_type() == kFloat;
   a.y_f32 = out_dtype == kFloat;
   a.vec_ok = rows_aligned16(x) && out_rows_aligned16(y, M, N) &&
-             (!has_res || (rows_aligned16(*residual) && out_rows_aligned16(h, M, N))) &&
+             (!has_res || (rows_aligned16(*residual) && out_rows_aligned16(*out.h, M, N))) &&
              (a.w == nullptr || ptr_aligned16(a.w));
 
   dispatch_base(xt, [&](auto xtag) {
@@ -2164,7 +2172,16 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
       dispatch_b_or_f32<TX>(h_dtype == kFloat, [&](auto htag) { run(htag, std::true_type{}); });
     }
   });
-  return {y, h, rstd};
+  return out;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(
+    const Tensor& x, const std::optional<Tensor>& residual, const std::optional<Tensor>& weight,
+    double eps, double offset, ScalarType out_dtype, std::optional<ScalarType> residual_dtype) {
+  FwdOut out = rms_norm_fwd_impl(x, residual, weight, eps, offset, out_dtype, residual_dtype, true);
+  Tensor h = out.h.has_value() ? *out.h : fused_mlp::empty({0}, x.scalar_type(), x);
+  return {out.y, h, *out.rstd};
 }
 
 std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
@@ -2355,18 +2372,19 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
   return {dx, dw};
 }
 
-// Inference entry points: rms_norm_fwd_cuda, returning y (and h) only. Fewer outputs through the op boundary is the
-// saving (each boxed, wrapped and freed by Python; docs/tuning-log.md#host-path); the launch is the same.
+// Inference entry points: the forward's kernels, returning y (and h) only and storing no rstd. Fewer outputs through
+// the op boundary and fewer allocations are the saving (each output boxed, wrapped and freed by Python;
+// docs/tuning-log.md#host-path); the launch is the same.
 Tensor rms_norm_infer_cuda(const Tensor& x, const std::optional<Tensor>& weight, double eps, double offset,
                            bool out_f32) {
-  return std::get<0>(
-      rms_norm_fwd_cuda(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt));
+  return rms_norm_fwd_impl(x, std::nullopt, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(), std::nullopt,
+                           false).y;
 }
 
 std::tuple<Tensor, Tensor> rms_norm_add_infer_cuda(const Tensor& x, const Tensor& residual,
                                                    const std::optional<Tensor>& weight, double eps, double offset,
                                                    bool out_f32) {
-  auto [y, h, rstd] = rms_norm_fwd_cuda(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
-                                        residual.scalar_type());
-  return {y, h};
+  FwdOut out = rms_norm_fwd_impl(x, residual, weight, eps, offset, out_f32 ? kFloat : x.scalar_type(),
+                                 residual.scalar_type(), false);
+  return {out.y, *out.h};
 }

@@ -301,12 +301,15 @@ INFER_CASES = [  # (shape, x dtype, weight dtype or None, offset, out_f32)
     ((5, 64), torch.float16, None, 0.0, False),
     ((3, 7, 1000), torch.float16, torch.float16, 1.0, True),
     ((0, 64), torch.bfloat16, torch.bfloat16, 0.0, False),
+    ((64, 4096), torch.bfloat16, torch.bfloat16, 1.0, False),
+    ((1024, 32768), torch.bfloat16, torch.bfloat16, 0.0, False),  # sm_90: the l2 kernel
 ]
 
 
 @pytest.mark.parametrize("case", INFER_CASES, ids=lambda c: f"{list(c[0])}-{str(c[1])[6:]}-w{str(c[2])[6:]}")
 def test_infer_ops_equal_fwd(fm, device, case):
-    """rms_norm_infer's y and rms_norm_add_infer's (y, h) are the full forward's, bit for bit (the same kernel)."""
+    """rms_norm_infer's y and rms_norm_add_infer's (y, h) are the full forward's, bit for bit (the same kernel, which
+    stores no rstd for them)."""
     ops = fm._ops.ops
     shape, dtype, w_dtype, offset, out_f32 = case
     x = make(shape, dtype, device)
@@ -535,12 +538,13 @@ def test_deterministic(fm, device, N):
 
 
 def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatch):
-    """Record, for the autograd Function: its output dtype, the grad dtype it declared and the dtype backward
-    received. On torch >= 2.14 an fp32 gradient arriving at a bf16 output reaches the kernel uncast, and the
-    result is closer to an fp64 reference than with the default path (engine casts the gradient to bf16)."""
+    """Record, for the autograd Function (no residual: y its only output): its output dtype, the grad dtype it
+    declared and the dtype backward received. On torch >= 2.14 an fp32 gradient arriving at a bf16 output reaches
+    the kernel uncast, and the result is closer to an fp64 reference than with the default path (engine casts the
+    gradient to bf16)."""
     mod = rms_mod(fm)
     records = []
-    orig_backward = mod._RMSNormFunction.backward
+    orig_backward = mod._RMSNormYFunction.backward
     orig_declare = mod.declare_grad_dtypes
 
     def recording_declare(ctx, *dtypes):
@@ -548,12 +552,12 @@ def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatc
         orig_declare(ctx, *dtypes)
         records.append({"declared": getattr(ctx, "output_grad_dtypes", "unsupported")})
 
-    def recording_backward(ctx, dy, dh, drstd):
-        records[-1].update(output=ctx.out_dtype, received=dy.dtype)
-        return orig_backward(ctx, dy, dh, drstd)
+    def recording_backward(ctx, dy):
+        records[-1].update(received=dy.dtype)
+        return orig_backward(ctx, dy)
 
     monkeypatch.setattr(mod, "declare_grad_dtypes", recording_declare)
-    monkeypatch.setattr(mod._RMSNormFunction, "backward", staticmethod(recording_backward))
+    monkeypatch.setattr(mod._RMSNormYFunction, "backward", staticmethod(recording_backward))
     M, N = 64, 2048
     x = make((M, N), torch.bfloat16, device)
     w = 1 + 0.25 * make((N,), torch.bfloat16, device, seed=1)
@@ -561,7 +565,9 @@ def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatc
 
     def dx_with(upstream):
         xr = x.clone().requires_grad_()
-        fm.rms_norm(xr, w).backward(upstream)
+        y = fm.rms_norm(xr, w)
+        y.backward(upstream)
+        records[-1].update(output=y.dtype)
         return xr.grad
 
     dx_uncast = dx_with(g32)
@@ -572,7 +578,7 @@ def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatc
     if not supported:
         assert rec["declared"] == "unsupported" and rec["received"] == torch.bfloat16
         pytest.skip(f"torch {torch.__version__} has no ctx.set_output_grad_dtype: default path only (recorded)")
-    assert rec["declared"] == (None, None, None) and rec["received"] == torch.float32
+    assert rec["declared"] == (None,) and rec["received"] == torch.float32
 
     monkeypatch.setattr(mod, "declare_grad_dtypes", lambda ctx, *d: records.append({"declared": None}))
     dx_cast = dx_with(g32)  # the default path: the engine casts the fp32 gradient to the output's bf16
@@ -821,6 +827,14 @@ _REG_CASES = textwrap.dedent(
         r = None if res is None else make((M, N), res, "cuda", seed=2)
         run_case(fm, x, wt, offset=offset, residual=r, residual_dtype=res, out_dtype=out,
                  check_grads=M * N <= (1 << 22))
+        # The inference ops (no rstd stored) give the training forward's bits: the same kernel.
+        ops, od = fm._ops.ops, out if out is not None else dtype
+        y_full, h_full, _ = ops.rms_norm_fwd(x, r, wt, 1e-6, offset, od, res)
+        if r is None:
+            assert torch.equal(ops.rms_norm_infer(x, wt, 1e-6, offset, od == torch.float32), y_full)
+        else:
+            y, h = ops.rms_norm_add_infer(x, r, wt, 1e-6, offset, od == torch.float32)
+            assert torch.equal(y, y_full) and torch.equal(h, h_full)
 
     cap = torch.cuda.get_device_capability()
     if forced:

@@ -73,7 +73,10 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _F32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
-_is_compiling = torch.compiler.is_compiling
+# Dynamo's own flag, not torch.compiler.is_compiling (two Python calls, ~0.05 us more per call): the fast paths must
+# not run where Dynamo traces; non-strict export and other dispatcher-level tracing see fake or subclass tensors,
+# which fail the fast paths' `type(x) is torch.Tensor` check anyway.
+_is_compiling = torch.compiler.is_dynamo_compiling
 # What an inference op raises on arguments the full path may still accept (or rejects with its own error): a C++
 # check (RuntimeError), a schema mismatch (TypeError), a device without a kernel (NotImplementedError).
 _FALLBACK_ERRORS = (RuntimeError, TypeError, NotImplementedError)
@@ -114,27 +117,56 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh, _drstd):
         h, rstd, weight = ctx.saved_tensors
-        shape = h.shape  # the caller's [..., N] (eager, contiguous inputs) or 2-D rows
-        n = shape[-1]
-        h = as_rows(h, n)  # a view: h is contiguous when it is not 2-D already
-        base = ctx.x_dtype
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if dy is None:  # only h was used downstream
             dy = torch.zeros_like(h, dtype=ctx.out_dtype)
-        dy = _grad_in(dy, n, base)
-        extra = _grad_in(dh, n, base) if (dh is not None and ctx.has_residual) else None
         # dx and d(residual) are the same values; compute them in the wider of the two dtypes, once.
-        grad_dtype = base
+        grad_dtype = ctx.x_dtype
         if ctx.has_residual and need_res and ctx.residual_dtype == torch.float32:
             grad_dtype = torch.float32
-        dx, dw = _bwd(dy, h, rstd, weight, extra, ctx.offset, grad_dtype, bool(need_w and weight is not None))
-        if len(shape) != 2:
-            dx = dx.view(shape)
+        dx, dw = _rms_norm_backward(ctx, dy, dh if ctx.has_residual else None, h, rstd, weight, grad_dtype,
+                                    need_w)
         dres = None
         if ctx.has_residual and need_res:
             dres = dx if ctx.residual_dtype == dx.dtype else dx.to(ctx.residual_dtype)
-        dx_out = (dx if dx.dtype == base else dx.to(base)) if need_x else None
-        return dx_out, dres, (dw if need_w else None), None, None, None, None
+        dx_out = (dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)) if need_x else None
+        return dx_out, dres, dw, None, None, None, None
+
+
+class _RMSNormYFunction(torch.autograd.Function):
+    """``_RMSNormFunction`` without a residual: y is the only output through autograd (rstd stays in the context),
+    which saves the engine's bookkeeping of two outputs per call (host cost of a training forward:
+    docs/tuning-log.md#host-path). Same kernels, same bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, out_dtype):
+        y, _, rstd = _fwd(x, None, weight, eps, offset, out_dtype, None)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.offset = offset
+        ctx.x_dtype = x.dtype
+        declare_grad_dtypes(ctx, None)  # an fp32 gradient at a bf16/fp16 y reaches the kernel uncast
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = _rms_norm_backward(ctx, dy, None, x, rstd, weight, ctx.x_dtype, ctx.needs_input_grad[1])
+        return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
+
+
+def _rms_norm_backward(ctx, dy, dh, h, rstd, weight, grad_dtype, need_w):
+    """dx (in grad_dtype, the caller's shape) and dW (None unless needed) from the saved h (x without a residual)."""
+    shape = h.shape  # the caller's [..., N] (eager, contiguous inputs) or 2-D rows
+    n = shape[-1]
+    h = as_rows(h, n)  # a view: h is contiguous when it is not 2-D already
+    base = ctx.x_dtype
+    dy = _grad_in(dy, n, base)
+    extra = _grad_in(dh, n, base) if dh is not None else None
+    compute_dw = bool(need_w and weight is not None)
+    dx, dw = _bwd(dy, h, rstd, weight, extra, ctx.offset, grad_dtype, compute_dw)
+    if len(shape) != 2:
+        dx = dx.view(shape)
+    return dx, (dw if compute_dw else None)
 
 
 # ---- public API -------------------------------------------------------------------------------------------
@@ -196,7 +228,7 @@ def rms_norm(
         k_out = x_dtype if (out_dtype is None or out_dtype is x_dtype) else (_F32 if out_dtype is _F32 else None)
         if k_out is not None:
             try:
-                return _RMSNormFunction.apply(x, None, weight, eps, offset, k_out, None)[0]
+                return _RMSNormYFunction.apply(x, weight, eps, offset, k_out)
             except _FALLBACK_ERRORS:
                 pass  # the full path below
     check_tensor(x, "x")
@@ -261,17 +293,24 @@ def rms_norm(
             x = x if x.is_contiguous() else x.contiguous()
             if res2 is not None and not res2.is_contiguous():
                 res2 = res2.contiguous()
-            y, h, _ = _RMSNormFunction.apply(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+            if res2 is None:
+                y = _RMSNormYFunction.apply(x, weight, eps, offset, kernel_out_dtype)
+            else:
+                y, h, _ = _RMSNormFunction.apply(x, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
         else:
             # 2-D inputs (any row stride: the kernels read it in place; y already has x's shape) and torch.compile
             # (stable ranks; AOTAutograd traces the backward as one graph anyway): 2-D rows into the Function.
             x2 = as_rows(x, n)
             if res2 is not None:
                 res2 = as_rows(res2, n)
-            y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
+            if res2 is None:
+                y = _RMSNormYFunction.apply(x2, weight, eps, offset, kernel_out_dtype)
+            else:
+                y, h, _ = _RMSNormFunction.apply(x2, res2, weight, eps, offset, kernel_out_dtype, h_dtype)
             if x.dim() != 2:
                 y = y.view(x.shape)
-                h = h.view(x.shape) if residual is not None else h
+                if residual is not None:
+                    h = h.view(x.shape)
     else:
         # Inference: straight to the kernel, through the ops that return y (and h) only. They take [..., N]
         # themselves (viewing the rows in C++ is far cheaper than a reshape and a view here); only non-viewable
