@@ -180,6 +180,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--dtypes", default="bf16")
     p.add_argument("--tunes", default="", help="semicolon list of FUSED_MLP_DECODE_TUNE settings to time too")
+    p.add_argument("--ts", default=None, help="comma list of token counts (default: the --quick or full set)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 20 quick, 40 full)")
     add_result_args(p, "decode_stack.csv")
     return p.parse_args(argv)
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("decode_stack.py measures CUDA-graph device time: it needs a CUDA GPU")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
-    ts = T_QUICK if args.quick else T_FULL
+    ts = tuple(int(t) for t in args.ts.split(",")) if args.ts else T_QUICK if args.quick else T_FULL
     models = [m.strip() for m in args.models.split(",")] if args.models else \
         (["llama3_2_1b"] if args.quick else list(MODELS))
     rounds = args.rounds or (20 if args.quick else 40)

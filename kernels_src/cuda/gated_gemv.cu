@@ -83,8 +83,9 @@ constexpr const char* kLinearOp = "fused_mlp: linear_decode";
 //   Register caps (__launch_bounds__(256, mb): 65536 / (256 mb) registers): ptxas issues a batch's loads ahead of its
 //   MMAs only when its register target allows; at its default target (64 registers in the down pass) it issued the
 //   weight loads two at a time, just ahead of their MMAs (SASS, sm_90). mb = 2 (128 registers) keeps a whole batch
-//   in flight for T <= 16 without spills (16 warps per SM); T <= 32 and 64 need mb = 1 (190-220 registers: 8 warps
-//   per SM, 32-64 KB requested per SM).
+//   in flight for T <= 8 without spills (16 warps per SM). T <= 16 takes mb = 1 (156 / 152 registers) for U = 4: at
+//   the 128 cap U = 3 ran 15-19% slower in a stack of layers (docs/tuning-log.md#decode-t16-registers); T <= 32 and
+//   64 need mb = 1 too (190-220 registers: 8 warps per SM, 32-64 KB requested per SM).
 struct PassCfg {
   int r;   // row tiles (16 rows) per warp: register reuse of each activation fragment
   int u;   // chunks per batch: the loads a lane has in flight
@@ -94,13 +95,13 @@ struct PassCfg {
 };
 constexpr PassCfg kGateUpCfg[4] = {
     {1, 4, 1, 4, 2},  // T <= 8:  16 weight loads per lane; I / 16 = 512..1024 CTAs of 4 warps, 4 per SM
-    {1, 3, 1, 4, 2},  // T <= 16: U = 3: at U = 4 ptxas spilled 8 bytes (sm_90, 128 registers); x stays in L1
+    {1, 4, 1, 4, 1},  // T <= 16: no 128-register cap (U = 4 spilled 8 bytes there; U = 3 lost 15-19% in a stack)
     {1, 4, 2, 4, 1},  // T <= 32: wr = 2 shares x chunks through L1
     {1, 2, 2, 4, 1},  // T <= 64: U = 2 (64 accumulator registers): 8 loads per lane
 };
 constexpr PassCfg kDownCfg[4] = {
     {2, 4, 1, 8, 2},  // T <= 8:  16 weight loads per lane; ks fills one wave (4 at H_out = 2048)
-    {2, 3, 1, 8, 2},  // T <= 16: R = 2: h from L2 at half the weight bytes (R = 1: once); U = 4 spilled (sm_90)
+    {2, 4, 1, 8, 1},  // T <= 16: R = 2: h from L2 at half the weight bytes (R = 1: once); no cap, as gate/up
     {2, 4, 1, 8, 1},  // T <= 32: h at the weight bytes
     {2, 4, 1, 8, 1},  // T <= 64: h at twice the weight bytes: L2 traffic, not HBM, may bound this class
 };

@@ -816,7 +816,7 @@ def _sm90_kernel_ran(fn) -> bool:
 @pytest.mark.parametrize("bias_kind", ["same", "fp32", "none"])
 @pytest.mark.parametrize("config", ["pingpong", "cooperative"])
 def test_sm90_forward_rounded_once(fm, monkeypatch, shape, act, dtype, layout, bias_kind, config):
-    monkeypatch.setenv("FUSED_MLP_LINEAR_DECODE", "off")  # a bias-free linear at T <= 8 would take the decode GEMV
+    monkeypatch.setenv("FUSED_MLP_LINEAR_DECODE", "off")  # a bias-free linear at T <= 16 would take the decode GEMV
     x, w_kn, b = _make(shape, dtype, "cuda", layout=layout, bias=bias_kind != "none")
     if bias_kind == "fp32":
         b = (b.float() + 0.1234567).contiguous()  # not representable in the input dtype

@@ -31,8 +31,9 @@ KERNEL_MAX_TOKENS = 64  # the op's limit (kMaxTokens in gated_gemv.cu)
 # auto: per compute capability, (largest hidden size H, largest T) pairs in order of H: the op runs while T <= the
 # first entry's T whose H bound covers x's hidden size (measured crossover against the cuBLAS path and Inductor).
 # Capabilities without an entry keep the cuBLAS path unless forced on.
-# H200: T <= 8 at every measured H, from a stack of layers (weights from HBM) -- docs/tuning-log.md#decode-stack
-MAX_TOKENS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(9, 0): ((1 << 30, 8),)}
+# H200: T <= 16 at every measured H, from a stack of layers (weights from HBM) -- docs/tuning-log.md#decode-stack,
+# #decode-t16-registers
+MAX_TOKENS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(9, 0): ((1 << 30, 16),)}
 # Majors with SASS in the build (build.toml: 8.0, 9.0, 10.0, 12.0; binary-compatible within a major).
 _MAJORS = (8, 9, 10, 12)
 
@@ -151,8 +152,8 @@ def runtime_limit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
 
 LINEAR_ENV = "FUSED_MLP_LINEAR_DECODE"
 # auto: the largest T per compute capability where a decoder layer's q/k/v/o projections beat the cuBLAS path, and an
-# N cap below an lm_head's (which loses); no entry: never in auto -- docs/tuning-log.md#decode-stack
-LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 8}
+# N cap below an lm_head's (which loses); no entry: never in auto -- docs/tuning-log.md#decode-t16-registers
+LINEAR_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 0): 16}
 LINEAR_AUTO_MAX_N = 16384
 
 _LINEAR_AVAILABLE = hasattr(ops, "linear_decode")
