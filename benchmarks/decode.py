@@ -15,7 +15,7 @@ heads of 256, vocab 256000), Qwen3-1.7B (hidden 2048, SwiGLU 6144, 28 layers, 16
 151936). ``--quick`` builds 2-layer fp32 versions (hidden 64) of each. Kernelized the way a user does it:
 ``kernels.kernelize(model, mode=Mode.INFERENCE [| Mode.TORCH_COMPILE for the compiled cell], device=...)`` with
 this checkout's ``RMSNorm``, ``GemmaRMSNorm``, ``GeGLUMLP`` and ``Linear`` (inference: bias-free projections at
-T <= 8 take the decode GEMV) through ``LocalLayerRepository``; the classes transformers does not decorate (the Gemma
+T <= 16 take the decode GEMV) through ``LocalLayerRepository``; the classes transformers does not decorate (the Gemma
 norm, the three MLPs, ``nn.Linear``) are opted in with ``replace_kernel_forward_from_hub`` and untagged afterwards.
 
 Method:
@@ -33,8 +33,8 @@ Method:
   ``compile_s`` = warm-up long call - the median long call (compilation + CUDA-graph recording).
 * Dynamo keeps its default automatic dynamic shapes, as a user's process gets them: batch 1 compiles a static graph,
   the next batch size a graph with a dynamic batch dimension that later sizes reuse (CUDA graphs are recorded per
-  size): batch 4 is the first cell of that graph, where its decode kernels run by T at run time (T <= 8), 16 and
-  64 take the GEMM path in it. ``--static-shapes`` specialises every batch size instead (one more compile per size). Compiled graphs are
+  size): batch 4 is the first cell of that graph, where its decode kernels run by T at run time (T <= 16: batches 4
+  and 16), 64 takes the GEMM path in it. ``--static-shapes`` specialises every batch size instead (one more compile per size). Compiled graphs are
   kept across rounds; ``torch._dynamo.reset()`` between models (transformers' forward wrapper is one code object for
   every model class, and each model instance is one more cache entry on it).
 * Tokens: ``tokens_equal`` is the fraction of generated tokens equal to the plain model's in the same cell (same
