@@ -26,10 +26,6 @@ def _module_forward(module: nn.Module, x: torch.Tensor, why: str) -> torch.Tenso
 
 
 _Tensor, _Parameter = torch.Tensor, nn.Parameter
-# Under torch.compile the norms and Linear read weight and bias as attributes, as the modules' own forwards do: the
-# eager fast paths' dict reads (`"weight" in params`) would each add a guard that Dynamo checks on every call of the
-# compiled model (docs/tuning-log.md#compile-guards).
-_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
@@ -66,11 +62,8 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
-            weight = self.weight
-        else:
-            params = self._parameters  # a dict read: nn.Module.__getattr__ costs ~0.5 us per call
-            weight = params["weight"] if "weight" in params else self.weight
+        params = self._parameters  # a dict read: nn.Module.__getattr__ costs ~0.5 us per call
+        weight = params["weight"] if "weight" in params else self.weight
         w_dtype, x_dtype = weight.dtype, hidden_states.dtype
         out_dtype = x_dtype if w_dtype is x_dtype else torch.promote_types(w_dtype, x_dtype)
         if type(hidden_states) is _Tensor and (type(weight) is _Parameter or type(weight) is _Tensor):
@@ -88,11 +81,8 @@ class GemmaRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
-            weight = self.weight
-        else:
-            params = self._parameters
-            weight = params["weight"] if "weight" in params else self.weight
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
         if type(x) is _Tensor and (type(weight) is _Parameter or type(weight) is _Tensor):
             return _rms_norm_layer_call(x, weight, self.eps, 1.0, x.dtype)
         return _rms_norm_layer(self, x, weight, self.eps, 1.0, x.dtype)
@@ -200,8 +190,6 @@ class GeGLUMLP(nn.Module):
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``module.weight, module.bias`` from ``_parameters`` when they are parameters (nn.Module.__getattr__ costs ~1 us
     a lookup, paid per Linear per token in decode), else through the attributes."""
-    if _is_compiling():
-        return module.weight, module.bias
     params = module._parameters
     weight = params["weight"] if "weight" in params else module.weight
     bias = params["bias"] if "bias" in params else module.bias
