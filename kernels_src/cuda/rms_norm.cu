@@ -59,7 +59,8 @@
 // [,packs=P]: P packs per thread instead of the table's, for tuning sweeps):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
 //   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
-//   of 256 / tpr rows (fewer while M < 32 SMs x rows); NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
+//   of 256 / tpr rows (fewer while M < 32 SMs x rows); pmax 4 and NV <= 256: 1 pack, tpr = NV in whole warps, one
+//   row per CTA; NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
 //   256 / tpr rows when tpr is a power of two <= 128; beyond, sm_90+: clusters of C = 2/4/8 CTAs (the fewest of
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
 //   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | 2048: 8 x 32 (warp/row, 8 rows) |
@@ -1806,6 +1807,11 @@ bool reg_config(int64_t NV, int64_t M, int sms, int pmax, bool cluster_ok, int f
     packs = 1;
     while (packs < pmax && nvc > 32 * packs) packs *= 2;
     tpr = next_pow2((nvc + packs - 1) / packs);
+  } else if (C == 1 && pmax == 4 && nvc <= 256) {
+    // With a residual of x's dtype, rows of 129..256 packs (bf16 N = 2048): one pack per thread, one row per CTA,
+    // 32 registers: 8 CTAs per SM instead of 4 (32768 x 2048: 3.8 -> 4.0 TB/s) -- docs/tuning-log.md#rmsnorm-reg-config
+    packs = 1;
+    tpr = static_cast<int>((nvc + 31) / 32 * 32);
   } else {
     tpr = static_cast<int>(((nvc + pmax - 1) / pmax + 31) / 32 * 32);
     // Over a quarter of the thread slots idle (N = 2304 bf16: 36 of 64 threads busy): half the packs, the threads to

@@ -853,7 +853,7 @@ _REG_CASES = textwrap.dedent(
             for nv in (1, 2, 31, 32, 33, 64, 65, 128, 129, 256, 257, 672, 1024, 2048, 4096, 4097):
                 case(dtype, 37 if nv <= 1024 else 5, nv * vec)
             # A residual of x's dtype (pmax 4) and an fp32 stream (pmax 2 under 16-bit x).
-            for nv in (32, 128, 129, 512, 1024, 1025, 2048, 2049):
+            for nv in (32, 128, 129, 256, 257, 512, 1024, 1025, 2048, 2049):
                 case(dtype, 9, nv * vec, res=dtype, offset=1.0)
                 case(dtype, 9, nv * vec, res=torch.float32, w="f32", out=torch.float32)
         for N in (65536, 131072, 262144):  # clusters of 4 / 8 CTAs (bf16), wide kernel beyond the reg reach
