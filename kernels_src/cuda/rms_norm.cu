@@ -10,7 +10,8 @@
 //               non-persistent grid of many resident CTAs; rows per CTA for short rows; on sm_90+ rows beyond one
 //               CTA split over a cluster of 2..8 CTAs (partial sums through distributed smem). Table below.
 //   fwd l2    — sm_90, M >= 1024 16-bit rows of 32768..65536 elements (aligned, weight and y of x's dtype, no
-//               fp32 stream), ahead of reg: one row per 512-thread CTA at a time, two passes, the second from L2.
+//               fp32 stream), ahead of reg: one row per 512-thread CTA at a time, two passes, the second from L2
+//               (x read with an L2 evict-last hint in the first).
 //   fwd rows  — a thread owns fixed 16-byte packs of its row ("columns") and holds them in registers; `rpb` rows
 //               per block for short rows; persistent grid (SMs x resident blocks) looping over row groups; the
 //               next row group is cp.async'd into dynamic smem while the current one is reduced and written
@@ -64,7 +65,8 @@
 //   256 / tpr rows when tpr is a power of two <= 128; beyond, sm_90+: clusters of C = 2/4/8 CTAs (the fewest of
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
 //   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | 2048: 8 x 32 (warp/row, 8 rows) |
-//      4096: 8 x 64 x 4 rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 | 32768: 8 x 512 |
+//      4096: 8 x 64 x 4 rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
+//      32768: 8 x 512 |
 //      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
 //   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
 //     16-bit x, packs 1/2/4/8: 31/40/56/76; residual same dtype 1/2/4: 32/40/55; fp32 stream 1/2: 32/50;
@@ -996,6 +998,7 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
   __shared__ float red[64];  // row_reduce_sum's scratch, double-buffered by row parity: one barrier per row
   const int tid = static_cast<int>(threadIdx.x);
   const int nv = a.nv;
+  const uint64_t pol = l2_evict_last_policy();
   int parity = 0;
   for (int64_t row = blockIdx.x; row < a.M; row += gridDim.x) {
     const TX* xr = static_cast<const TX*>(a.x) + row * a.x_stride;
@@ -1013,8 +1016,9 @@ __global__ void __launch_bounds__(kL2Threads, RES ? 1 : 2) rms_norm_fwd_l2_kerne
         const int p = base + i * kL2Threads;
         if (p < nv) {
           const uint4* src = reinterpret_cast<const uint4*>(xr + p * VEC);
-          // Without a residual pass 2 reads x again: a default load keeps it in L2; else x is read once.
-          xv[i].u[0] = RES ? __ldcs(src) : *src;
+          // Without a residual pass 2 reads x again: an L2 evict-last hint keeps it there (as Inductor's pass 1:
+          // 4096 x 32768 3.64 -> 3.80 TB/s); else x is read once.
+          xv[i].u[0] = RES ? __ldcs(src) : ld16_weight(src, pol);
           if constexpr (RES) {
             const uint4* rs = reinterpret_cast<const uint4*>(rr + p * VEC);
 #pragma unroll
@@ -1742,7 +1746,8 @@ FwdKnob parse_fwd_knob(const char* e) {
   FwdKnob k;
   if (e == nullptr) return k;
   const std::string s(e);
-  const std::string head = s.substr(0, s.find(','));
+  const std::string body = s.rfind("dynamic,", 0) == 0 ? s.substr(8) : s;  // "dynamic,<mode>,..." (rms_fwd_knob)
+  const std::string head = body.substr(0, body.find(','));
   if (head == "reg") k.mode = FwdKnob::kReg;
   else if (head == "legacy") k.mode = FwdKnob::kLegacy;
   else if (head == "l2") k.mode = FwdKnob::kL2;
@@ -1905,6 +1910,12 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   const int64_t N = a.N, M = a.M;
   if (N % VEC != 0 || N > (int64_t{1} << 24)) return false;
   const int64_t NV = N / VEC;
+  // 16-bit rows of 1985..2048 packs (N = 16384: 4 packs fill 512 threads) without a residual, M >= 8192, sm_90: 4
+  // packs x 512 threads (2 CTAs per SM) instead of the table's 8 x 256 (3 per SM): 16384 x 16384 3.85 -> 3.96 TB/s,
+  // 8192 rows 3.76 -> 3.85; 4096 rows and N = 12800 (416 threads) keep the table -- docs/tuning-log.md#rmsnorm-reg-config
+  if (forced_packs == 0 && forced_cluster == 0 && !RES && sizeof(TX) == 2 && info.major == 9 && NV > 1984 &&
+      NV <= 2048 && M >= 8192)
+    forced_packs = 4;
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
   FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);

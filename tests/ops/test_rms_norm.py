@@ -901,6 +901,32 @@ def test_cuda_reg_forward_subprocess(knob):
 
 
 @requires_cuda
+def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
+    """Without a knob, sm_90 holds 16-bit rows of 1985..2048 packs (N = 16384) without a residual as 4 packs x 512
+    threads once M >= 8192, the table's 8 packs below that, for shorter rows and for fp32 x; 2x rule."""
+    if os.environ.get("FUSED_MLP_RMS_NORM_FWD") or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD")
+
+    def packs_of(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "rms_norm_fwd_reg_kernel<" in e.name]
+        assert len(names) == 1, names
+        return int(names[0].split("<", 1)[1].split(">", 1)[0].split(",")[-1])
+
+    for dtype, n, m, want in ((torch.bfloat16, 16384, 4096, 8), (torch.bfloat16, 16384, 8192, 4),
+                              (torch.float16, 16384, 8192, 4), (torch.bfloat16, 15880, 8192, 4),
+                              (torch.bfloat16, 15872, 8192, 8), (torch.bfloat16, 12800, 8192, 8),
+                              (torch.float32, 8192, 8192, 8)):
+        x = make((m, n), dtype, "cuda")
+        w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
+        assert packs_of(lambda: fm.rms_norm(x, w, 1e-6)) == want, (dtype, m, n)
+        if want == 4:
+            run_case(fm, x, w, check_grads=False)
+
+
+@requires_cuda
 def test_cuda_auto_takes_the_l2_kernel_for_long_rows(fm):
     """Without a knob, the forward takes the l2 kernel for >= 1024 16-bit rows of 32768..65536 elements with a weight
     and y of x's dtype (with or without a residual of x's dtype) on sm_90 (where the class was measured), and the reg
