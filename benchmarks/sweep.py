@@ -903,8 +903,8 @@ GRAPH_OPS: dict[str, tuple[Callable[[Ctx], list[dict[str, int]]], list[Provider]
 
 
 def sweep_row_key(row: dict[str, str]) -> tuple[str, ...]:
-    """ResultWriter merge key: (op, dtype), with the fwd_graph rows of an op a family of their own."""
-    return (row.get("op", ""), row.get("dtype", ""), "graph" if row.get("mode") == GRAPH_MODE else "")
+    """ResultWriter merge key: (op, dtype, mode), so a run of some modes (`--modes fwd`) keeps the other modes' rows."""
+    return (row.get("op", ""), row.get("dtype", ""), row.get("mode", ""))
 
 
 def _prepare_graph_provider(ctx: Ctx, op: OpSpec, case: Case, prov: Provider,
@@ -1228,6 +1228,8 @@ def _recorded_quack_rows(ctx: Ctx, op: OpSpec, shapes: list[dict[str, int]]) -> 
             continue
         costs = _rms_bytes(m, n, 2, 2)
         for mode, ms in (("fwd", rec["fwd_ms"]), ("bwd", rec["bwd_ms"])):
+            if mode not in op.modes and not (mode == "bwd" and "fwd+bwd" in op.modes):
+                continue  # a mode this run does not measure keeps its rows in the merged CSV
             gbps = costs[mode] / ms / 1e6
             rows.append(dict(op=op.name, provider=QUACK_RECORDED, role="anchor", source="recorded", mode=mode,
                              dtype="bf16", shape=shape_str({"M": m, "N": n}), M=m, N=n, time_p50_ms=ms,

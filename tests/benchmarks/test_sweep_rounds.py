@@ -48,3 +48,24 @@ def test_round_share_of_the_timer(sweep):
     args = sweep.parse_args([])
     assert args.rounds == 3
     assert sweep.OPS["addmm"].fwd_no_grad and not sweep.OPS["linear"].fwd_no_grad
+
+
+def test_merge_keeps_the_modes_a_run_does_not_measure(sweep, tmp_path):
+    """`--modes fwd` replaces an op's fwd rows and keeps its bwd, fwd+bwd and fwd_graph rows (and other ops')."""
+    import csv
+
+    from bench_lib import ResultWriter
+
+    path = tmp_path / "sweep.csv"
+    old = ResultWriter(path, {}, merge=False, key=sweep.sweep_row_key)
+    for op, mode in (("rms_norm", "fwd"), ("rms_norm", "bwd"), ("rms_norm", "fwd+bwd"),
+                     ("rms_norm", sweep.GRAPH_MODE), ("geglu_act", "fwd")):
+        old.add(op=op, mode=mode, dtype="bf16", provider="ours", note="old")
+    old.checkpoint()
+    new = ResultWriter(path, {}, merge=True, key=sweep.sweep_row_key)
+    new.add(op="rms_norm", mode="fwd", dtype="bf16", provider="ours", note="new")
+    new.checkpoint()
+    with path.open(newline="") as f:
+        rows = {(r["op"], r["mode"], r["note"]) for r in csv.DictReader(f)}
+    assert rows == {("rms_norm", "fwd", "new"), ("rms_norm", "bwd", "old"), ("rms_norm", "fwd+bwd", "old"),
+                    ("rms_norm", sweep.GRAPH_MODE, "old"), ("geglu_act", "fwd", "old")}
