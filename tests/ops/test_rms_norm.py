@@ -900,6 +900,14 @@ def test_cuda_reg_forward_subprocess(knob):
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
 
 
+def _cuda_kernel_names(fn):
+    """The names of the CUDA kernels `fn` launches (profiler events, after a synchronize)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
 @requires_cuda
 def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
     """Without a knob, sm_90 holds 16-bit rows of 1985..2048 packs (N = 16384) without a residual as 4 packs x 512
@@ -908,10 +916,7 @@ def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
         pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD")
 
     def packs_of(fn):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "rms_norm_fwd_reg_kernel<" in e.name]
+        names = [n for n in _cuda_kernel_names(fn) if "rms_norm_fwd_reg_kernel<" in n]
         assert len(names) == 1, names
         return int(names[0].split("<", 1)[1].split(">", 1)[0].split(",")[-1])
 
@@ -936,10 +941,7 @@ def test_cuda_auto_takes_the_l2_kernel_for_long_rows(fm):
         pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD")
 
     def names_of(fn):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return " ".join(e.name for e in prof.events())
+        return " ".join(_cuda_kernel_names(fn))
 
     for dtype in (torch.bfloat16, torch.float16):
         for n, l2 in ((24576, False), (32768, True), (40960, True), (65536, True), (131072, False)):
