@@ -187,6 +187,10 @@ def rms_cases(draw) -> dict:
     # Package bug (fixed): training on a 1-D / N-D x viewed the Function's output after `apply`, so an fp32
     # gradient was rounded to y's dtype at the ViewBackward node before the kernel saw it (dx off by ~2 ulps).
     dict(_RMS, dtype=F16, shape=(1023,), dy_dtype="fp32"),
+    # Package bug (fixed, found on the H200): training copied a strided N-D residual (row stride N + 1) to aligned
+    # rows, which took the few-rows kernel, while inference read it in place through the rows kernel: y 1 ulp apart.
+    dict(_RMS, dtype=F32, shape=(1, 2, 5376), residual="same", res_layout="misaligned"),
+    dict(_RMS, dtype=BF16, shape=(1, 3, 4096), layout="row_padded"),
     dict(_RMS, dtype=F16, shape=(2,), layout="transposed", weight="fp32", dy_dtype="fp32"),
     dict(_RMS, dtype=BF16, shape=(3, 5, 256), layout="non_viewable", dy_dtype="fp32", scale=1.0, eps=1e-6),
     # Test (not package) cases: a third out_dtype is a cast after the Function (the gradient is rounded to it by

@@ -286,12 +286,14 @@ def rms_norm(
         or (residual is not None and residual.requires_grad)
     ):
         if x.dim() != 2 and not torch.compiler.is_compiling():
-            # Eager, any rank but 2: the op takes [..., N] (contiguous) and allocates y and h in the caller's shape.
+            # Eager, any rank but 2: the op takes [..., N] and allocates y and h in the caller's shape.
             # A view taken after `apply` would put a ViewBackward node in front of the Function, where the engine
-            # casts an fp32 incoming gradient to y's dtype (defeating set_output_grad_dtype); a strided N-D input
-            # costs a copy instead.
-            x = x if x.is_contiguous() else x.contiguous()
-            if res2 is not None and not res2.is_contiguous():
+            # casts an fp32 incoming gradient to y's dtype (defeating set_output_grad_dtype). Strided rows go in as
+            # they are (the op views them as rows, or copies a layout it cannot view), as on the inference path: the
+            # same kernel, so the same bits; only a non-unit stride along N is copied here.
+            if n > 1 and x.stride(-1) != 1:
+                x = x.contiguous()
+            if res2 is not None and n > 1 and res2.stride(-1) != 1:
                 res2 = res2.contiguous()
             if res2 is None:
                 y = _RMSNormYFunction.apply(x, weight, eps, offset, kernel_out_dtype)
