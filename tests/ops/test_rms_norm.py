@@ -158,6 +158,29 @@ def test_non_contiguous_views(fm, device, dtype):
         torch.testing.assert_close(fm.rms_norm(x, w), fm.rms_norm(x.contiguous(), w), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_training_input_saved_once(fm, device, dtype):
+    """Eager training on N-D strided x: rows the op can view are saved for backward in place (no copy); a layout it
+    cannot view is copied once, before the op, so backward reads the saved copy as rows without a second copy. Both
+    give the inference path's bits."""
+    w = 1 + 0.25 * make((1000,), dtype, device, seed=1)
+    viewable = make((3, 4, 1001), dtype, device)[..., 1:].requires_grad_()  # padded rows: a strided row view
+    packed = make((4, 10, 1000), dtype, device)[:, ::3].requires_grad_()  # not viewable as rows
+    for x, copied in ((viewable, False), (packed, True)):
+        y = fm.rms_norm(x, w)
+        saved = y.grad_fn.saved_tensors[0]
+        assert (saved.data_ptr() != x.data_ptr()) == copied
+        assert saved.is_contiguous() == copied
+        with torch.no_grad():
+            assert torch.equal(y, fm.rms_norm(x, w))
+        dy = make(x.shape, dtype, device, seed=2)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        xc = x.detach().contiguous().requires_grad_()
+        (dx_c,) = torch.autograd.grad(fm.rms_norm(xc, w), xc, dy)
+        tol = 0 if copied else (1e-5 if dtype == torch.float32 else 1e-2)  # the copy runs the contiguous kernels
+        torch.testing.assert_close(dx, dx_c, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("residual_dtype", [None, torch.float32], ids=["h=x.dtype", "h=fp32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M,N", [(1, 128), (83, 1000), (7, 5376), (2, 65537)])

@@ -169,6 +169,17 @@ def _rms_norm_backward(ctx, dy, dh, h, rstd, weight, grad_dtype, need_w):
     return dx, (dw if compute_dw else None)
 
 
+def _rows_viewable(t: torch.Tensor, n: int) -> bool:
+    """Whether ``t`` ([..., n], unit stride along n) is viewable as [rows, n] without a copy (what reshape would do)."""
+    if t.is_contiguous():
+        return True
+    try:
+        t.view(math.prod(t.shape[:-1]), n)
+    except RuntimeError:
+        return False
+    return True
+
+
 # ---- public API -------------------------------------------------------------------------------------------
 
 
@@ -290,8 +301,10 @@ def rms_norm(
             # A view taken after `apply` would put a ViewBackward node in front of the Function, where the engine
             # casts an fp32 incoming gradient to y's dtype (defeating set_output_grad_dtype). Strided rows go in as
             # they are (the op views them as rows, or copies a layout it cannot view), as on the inference path: the
-            # same kernel, so the same bits; only a non-unit stride along N is copied here.
-            if n > 1 and x.stride(-1) != 1:
+            # same kernel, so the same bits; only a non-unit stride along N is copied here. Without a residual the
+            # Function saves x for backward: a layout the op could not view as rows is copied once here, not twice
+            # (in the op's forward and again as rows in backward).
+            if (n > 1 and x.stride(-1) != 1) or (res2 is None and not _rows_viewable(x, n)):
                 x = x.contiguous()
             if res2 is not None and n > 1 and res2.stride(-1) != 1:
                 res2 = res2.contiguous()
