@@ -4,7 +4,7 @@ persistent path forced off, per row count, with torch.compile of the plain defin
 launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows, geglu.cu kSmallMaxElems) come from this.
 
     python benchmarks/crossover.py --quick     # M in {1, 4, 16, 64, 256, 1024}, rms_norm + add_rms_norm, geglu/swiglu
-                                               # at I 8192/16384, the backward at N 4096 (~1.5 min on an H200)
+                                               # at I 8192/16384, the backward at N 2048/4096/8192 (~2 min)
     python benchmarks/crossover.py             # M in {1, 2, 4, ..., 1024} x N {2048, 4096, 8192}, gemma too, I 14336
     python benchmarks/crossover.py --configs   # also every packs-per-thread / block-size choice of the new kernels
 
@@ -18,8 +18,8 @@ call is the median over rounds / 20 (p20/p80 recorded too). Providers:
   inductor    torch.compile of the plain fp32-math definition (token dim dynamic, size 1 its own graph, as sweep.py)
 The knobs switch between captures in this one process: it starts with FUSED_MLP_RMS_NORM_SMALL=dynamic (and the
 GeGLU one), which makes the launchers re-read the variable at every call; a graph replays what was captured.
-Backward (rms_norm_bwd, dx and dW from the saved rstd) is measured against Inductor's code for the plain backward
-formula at M in {1, 16, 64} ("bwd_graph" rows), to see whether small-M training has the forward's excess.
+Backward (rms_norm_bwd, dx and dW from the saved rstd; "bwd_graph" rows): the few-rows backward on / off / auto
+(FUSED_MLP_RMS_NORM_BWD_SMALL) against Inductor's code for the plain backward formula at M in {1, 4, 16, ..., 256}.
 
 Writes ``<results-root>/<device-slug>/crossover.csv`` (bench_lib.COLUMNS, mode fwd_graph / bwd_graph, times per call
 in ms) and prints, per op and N (I), the per-M table and the measured crossover: the largest M up to which the
@@ -39,6 +39,7 @@ from typing import Any
 # Before the kernel's first call: the launchers then re-read the knobs at every call (see the docstring).
 os.environ["FUSED_MLP_RMS_NORM_SMALL"] = "dynamic"
 os.environ["FUSED_MLP_GEGLU_SMALL"] = "dynamic"
+os.environ["FUSED_MLP_RMS_NORM_BWD_SMALL"] = "dynamic"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -67,7 +68,10 @@ M_QUICK = (1, 4, 16, 64, 256, 1024)
 N_ALL = (2048, 4096, 8192)
 I_FULL = (8192, 14336, 16384)
 I_QUICK = (8192, 16384)
-BWD_M = (1, 16, 64)
+BWD_M = (1, 4, 16, 64, 128, 256)
+# The few-rows backward forced on / off / as shipped (FUSED_MLP_RMS_NORM_BWD_SMALL, re-read per call: "dynamic").
+BWD_SMALL_KNOB = "FUSED_MLP_RMS_NORM_BWD_SMALL"
+BWD_KNOBS = (("ours_small", "on"), ("ours_old", "off"), ("ours_auto", "auto"))
 RMS_OPS = ("rms_norm", "add_rms_norm", "gemma_rms_norm")
 ACT_OPS = ("geglu_act", "swiglu_act")
 KNOB = {"rms": "FUSED_MLP_RMS_NORM_SMALL", "act": "FUSED_MLP_GEGLU_SMALL"}
@@ -178,6 +182,33 @@ def act_case(fm, op: str, T: int, I: int, dtype: torch.dtype, compiled: Compiled
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
+def prime_knobs(fm) -> None:
+    """Each launcher reads its knob variable first here, while it still says "dynamic", so that it re-reads it at
+    every call; a first read under "on" or "off" would fix that value for the process (every provider would run the
+    same kernel: the crossover rows before 2026-12-04 did). Then checks that the providers' kernels differ."""
+    bf = torch.bfloat16
+    x = torch.ones(2, 2048, device="cuda", dtype=bf)
+    ops = fm._ops.ops
+    calls = {
+        KNOB["rms"]: lambda: fm.rms_norm(x, x[0]),
+        KNOB["act"]: lambda: fm.geglu(x, x, approximate="tanh"),
+        BWD_SMALL_KNOB: lambda: ops.rms_norm_bwd(x, x, torch.ones(2, device="cuda"), x[0], None, 0.0, bf, True),
+    }
+    for var, call in calls.items():
+        assert os.environ.get(var) == "dynamic", var
+        call()
+        names = {}
+        for value in ("on", "off"):
+            os.environ[var] = value
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            names[value] = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        os.environ[var] = "auto"
+        if names["on"] == names["off"]:
+            raise SystemExit(f"{var}: on and off launch the same kernels ({names['on']}); was it read before?")
+
+
 def first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -227,32 +258,59 @@ def run_group(fm, writer: ResultWriter, compiled: Compiled, op: str, n: int, ms:
     return result
 
 
-def run_bwd(fm, writer: ResultWriter, compiled: Compiled, n: int, dtype_name: str, rounds: int) -> None:
+def run_bwd(fm, writer: ResultWriter, compiled: Compiled, n: int, dtype_name: str, rounds: int,
+            bwd_ms: Sequence[int] = BWD_M) -> None:
+    """rms_norm_bwd (the op alone: dx and dW from the saved rstd) with the few-rows backward forced on
+    (``ours_small``) and off (``ours_old``: the register / rows kernels and the dW column sum), what ships
+    (``ours_auto``), and Inductor's code for the plain formula, per M."""
     dtype = DTYPES[dtype_name]
     ops = fm._ops.ops
     graphs: dict[tuple[int, str], GraphCalls] = {}
-    for m in BWD_M:
+    checks = {}
+    for m in bwd_ms:
         g = torch.Generator(device="cuda").manual_seed(m + n)
         x = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         w = 1 + 0.25 * torch.randn(n, device="cuda", dtype=dtype, generator=g)
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + EPS)
         mark_tokens_dynamic(x, dy, rstd)
-        graphs[(m, "ours")] = GraphCalls(lambda: ops.rms_norm_bwd(dy, x, rstd, w, None, 0.0, dtype, True), CALLS)
+        for provider, value in BWD_KNOBS:
+            os.environ[BWD_SMALL_KNOB] = value
+            # Inputs bound per M (a late-binding closure would leave earlier M's inputs to be freed under the graph).
+            graphs[(m, provider)] = GraphCalls(
+                lambda dy=dy, x=x, rstd=rstd, w=w: ops.rms_norm_bwd(dy, x, rstd, w, None, 0.0, dtype, True), CALLS)
+        os.environ[BWD_SMALL_KNOB] = "auto"
         ind = compiled.get(("rms_norm_bwd", n, m == 1), rms_bwd_plain)
-        graphs[(m, "inductor")] = GraphCalls(lambda: ind(dy, x, rstd, w), CALLS)
+        graphs[(m, "inductor")] = GraphCalls(lambda ind=ind, dy=dy, x=x, rstd=rstd, w=w: ind(dy, x, rstd, w), CALLS)
+        xd, dyd, wd = x.double(), dy.double(), w.double()
+        rs = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+        xhat = xd * rs
+        dx_ref = rs * (dyd * wd - xhat * (dyd * wd * xhat).mean(-1, keepdim=True))
+        checks[m] = (dx_ref, (dyd * xhat).sum(0))
     measure_graphs(graphs, rounds)
-    log(f"rms_norm_bwd N={n} ({dtype_name}), us per call (CUDA graph):  M: ours / inductor")
-    for m in BWD_M:
-        t = {p: round_quantiles(graphs[(m, p)].times) for p in ("ours", "inductor")}
+    provs = [p for p, _ in BWD_KNOBS] + ["inductor"]
+    log(f"rms_norm_bwd N={n} ({dtype_name}), us per call (CUDA graph):  M: " + " / ".join(provs))
+    for m in bwd_ms:
+        t = {p: round_quantiles(graphs[(m, p)].times) for p in provs}
+        ind_dx, ind_dw = graphs[(m, "inductor")].out
+        dx_ref, dw_ref = checks[m]
+        same = (max_abs_err(ind_dx, dx_ref), max_abs_err(ind_dw, dw_ref))
         for p, (p20, p50, p80) in t.items():
-            writer.add(op="rms_norm", provider=p if p == "inductor" else "ours", role="anchor" if p == "inductor"
-                       else "ours", source="crossover.py", mode="bwd_graph", dtype=dtype_name, shape=f"M={m},N={n}",
-                       M=m, N=n, time_p20_ms=p20, time_p50_ms=p50, time_p80_ms=p80, status="ok",
-                       note=f"CUDA graph of {CALLS} calls; dx and dW from the saved rstd")
-        ours, ind = t["ours"][1] * 1e3, t["inductor"][1] * 1e3
-        log(f"  M={m:5d}: {ours:6.2f} / {ind:6.2f} us  ({ours / ind:.2f}x)")
+            dx, dw = graphs[(m, p)].out
+            err = (max_abs_err(dx, dx_ref), max_abs_err(dw, dw_ref))
+            ok = p == "inductor" or all(two_x_rule(e, se, dtype) for e, se in zip(err, same))
+            writer.add(op="rms_norm", provider=p, role="anchor" if p == "inductor" else "ours", source="crossover.py",
+                       mode="bwd_graph", dtype=dtype_name, shape=f"M={m},N={n}", M=m, N=n, time_p20_ms=p20,
+                       time_p50_ms=p50, time_p80_ms=p80, max_err=max(err), verified=ok,
+                       status="ok" if ok else "error",
+                       note=f"CUDA graph of {CALLS} calls; dx and dW from the saved rstd; max_err over dx and dW")
+        ms = {p: t[p][1] * 1e3 for p in provs}
+        log(f"  M={m:5d}: " + " / ".join(f"{ms[p]:6.2f}" for p in provs)
+            + f"  (small/old {ms['ours_small'] / ms['ours_old']:.2f}x, auto/inductor "
+            f"{ms['ours_auto'] / ms['inductor']:.2f}x)")
     writer.checkpoint()
+    del graphs
+    torch.cuda.empty_cache()
 
 
 def report(op: str, n: int, res: dict[tuple[int, str], float], ms: Sequence[int], configs: bool) -> None:
@@ -289,6 +347,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16, fp32 (default bf16)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 15 quick, 40 full)")
     p.add_argument("--configs", action="store_true", help="also each packs-per-thread (rms) / block size (act)")
+    p.add_argument("--ms", default=None, help="comma list of row counts (M / T) for the forward ops")
+    p.add_argument("--bwd-ms", default=None, help=f"comma list of row counts for rms_norm_bwd (default {BWD_M})")
+    p.add_argument("--ns", default=None, help=f"comma list of N for the RMSNorm ops (default {N_ALL})")
     add_result_args(p, "crossover.csv", plot=False)
     return p.parse_args(argv)
 
@@ -303,7 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
-    ms = M_QUICK if args.quick else M_FULL
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (M_QUICK if args.quick else M_FULL)
+    bwd_ms = tuple(int(v) for v in args.bwd_ms.split(",")) if args.bwd_ms else BWD_M
+    ns = tuple(int(v) for v in args.ns.split(",")) if args.ns else N_ALL
     i_list = I_QUICK if args.quick else I_FULL
     default_ops = ("rms_norm", "add_rms_norm", "geglu_act", "swiglu_act", "rms_norm_bwd") if args.quick else \
         RMS_OPS + ACT_OPS + ("rms_norm_bwd",)
@@ -316,14 +379,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     writer = result_writer(args, env)
     log(f"fused-mlp crossover: {env['device_name']}, torch {env['torch']}, kernel {env['kernel_build']}, "
         f"git {env['git_rev']}; writing {writer.path}; {rounds} rounds of CUDA graphs of {CALLS} calls")
+    prime_knobs(fm)
     compiled = Compiled()
     for dtype_name in dtypes:
         for op in ops:
             if op == "rms_norm_bwd":
-                for n in ((4096,) if args.quick else N_ALL):
-                    run_bwd(fm, writer, compiled, n, dtype_name, rounds)
+                for n in ns:
+                    run_bwd(fm, writer, compiled, n, dtype_name, rounds, bwd_ms)
                 continue
-            for n in (i_list if op in ACT_OPS else N_ALL):
+            for n in (i_list if op in ACT_OPS else ns):
                 res = run_group(fm, writer, compiled, op, n, ms, dtype_name, rounds, args.configs)
                 report(op, n, res, ms, args.configs)
     return 0
