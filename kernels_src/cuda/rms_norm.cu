@@ -21,6 +21,8 @@
 //   bwd reg   — aligned rows (16-byte pointers / strides, N % VEC == 0), the default on sm_90 for 16-bit h and dy (or
 //               fp32 x): 4 packs per thread, persistent grid, dW partial sums in REGISTERS, rows beyond one CTA split
 //               over a cluster (kernels_src/cuda/rms_norm_bwd.cuh; FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy).
+//   bwd small — few rows (M <= 128, 256 for rows of >= 8 KB; aligned rows of <= 2048 packs; rms_norm_bwd.cuh; FUSED_MLP_RMS_NORM_BWD_SMALL):
+//               one launch, dx CTAs (the forward's few-rows layout) beside dW CTAs (column slices over all rows).
 //   bwd rows  — ONE pass over the rows (the rest of the rows path): persistent grid; per row the row dot product, dx, and dW partial sums in
 //               smem owned by the thread (same columns every row); next row group prefetched; at the end the
 //               block sums its row slots in a fixed order and writes one fp32 partial row (or dW when grid == 1).
@@ -1077,6 +1079,8 @@ struct BwdArgs {
   int tpr, rpb;
   int nvc;                // register kernel in a cluster: packs per CTA (its slice of the row)
   int c_shift;            // register kernel: log2(cluster size), 0 without a cluster (sm_90+ only)
+  int tpr_shift;          // few-rows kernel: log2(tpr) when rpb > 1, else 10
+  int row_blocks;         // few-rows kernel: the dx CTAs (the rest of the grid computes dW)
   uint32_t zero;          // 0 (the register kernel's launder_pack)
   bool w_f32, extra_f32, dx_f32;
   bool vec_ok, prefetch, direct_dw, dw_smem;
@@ -1625,10 +1629,14 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
 // Tuning table of the few-rows path (rms_norm_fwd_small_kernel).
 //   packs per thread by row length in packs NV (threads per row = NV / packs): N <= 2048 bf16 -> 1 pack,
 //     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row (not swept yet: the knob's ",packs=" does).
-//   "auto" takes it up to M = 64: 0.63-0.91x the reg kernel's CUDA-graph time at M = 1..64, N = 2048..8192, plain
-//   and fused add (H200) -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on|off forces it.
+//   "auto" takes it up to M = 64, and for 16-bit rows of N = 2048..8192 up to M * N = 2^21 elements (M = 1024 / 512
+//   / 256 at N = 2048 / 4096 / 8192): 0.43-0.96x the reg kernel's CUDA-graph time there, plain and fused add, with and
+//   without PDL (H200) -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on|off forces it.
 int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
-int64_t small_max_rows(int64_t) { return 64; }
+constexpr int64_t kSmallMaxElems16 = int64_t{1} << 21;
+int64_t small_max_rows(int64_t N, int64_t elem) {
+  return elem == 2 && N >= 2048 && N <= 8192 ? std::max<int64_t>(64, kSmallMaxElems16 / N) : 64;
+}
 
 // Programmatic dependent launch of the few-rows kernel on sm_90+ (FUSED_MLP_RMS_NORM_PDL=0 turns it off; read per
 // call, so one process can A/B it) -- docs/tuning-log.md#rms-norm-decode
@@ -2070,7 +2078,7 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
-          (small.mode == SmallKnob::kOn || M <= small_max_rows(N))) {
+          (small.mode == SmallKnob::kOn || M <= small_max_rows(N, static_cast<int64_t>(sizeof(TX))))) {
         SmallConfig sc;
         if (small_config(NV, M, info.sms, small.value, sc)) {
           FwdSmallArgs b = row_kernel_args<FwdSmallArgs>(a, NV);
@@ -2286,6 +2294,8 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
       using TH = decltype(htag);
       dispatch_b_or_f32<TX>(dy.scalar_type() == kFloat, [&](auto dtag) {
         using TD = decltype(dtag);
+        // Few rows (small-M training): one launch, dW written directly -- docs/tuning-log.md#rms-norm-bwd-small.
+        if (launch_bwd_small<TX, TH, TD>(a, info, stream, want_dw)) return;
         if (launch_bwd_reg<TX, TH, TD>(a, info, dev, stream, want_dw, h, partial, partial_rows)) return;
         constexpr int kMaxIters = bwd_max_iters<TX, TH, TD>();
         const int64_t row_bytes = NV * VEC *

@@ -479,3 +479,215 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
   FM_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kern, args));
   return true;
 }
+
+// ---- few rows (small-M training, M <= bwd_small_max_rows) --------------------------------------------------------
+// One launch, no dW partial rows, no column-sum kernel: the grid's first `row_blocks` CTAs compute dx (one row group
+// each: rpb rows of tpr threads, PACKS 16-byte packs per thread, the forward's few-rows layout), the rest compute
+// dW, kBwdSmallColPacks column packs each over all M rows (blockDim / 32 row lanes, fp32 sums in registers, the
+// lanes' sums added in lane order through shared memory: bitwise reproducible), written in the weight dtype. dW does
+// not depend on the row dot products, so the two kinds of CTA share nothing; the dW CTAs re-read h and dy from L2.
+// Aligned rows of whole packs only. PDL as the forward's few-rows kernel. Register budget: PACKS <= 4 h, dy and scale
+// packs at __launch_bounds__(512) (<= 128 registers; ptxas: docs/tuning-log.md#rms-norm-bwd-small).
+// Shared memory: static, 32 floats + (512 / 32) row lanes x kBwdSmallColPacks x 8 fp32 sums = 16.5 KB.
+constexpr int kBwdSmallColPacks = 32;      // column packs per dW CTA (one per lane of a row lane's warp)
+// auto: up to 128 rows, 256 for rows of >= 8 KB (H200 bf16, CUDA graphs: 0.26-0.73x the other kernels' time at
+// M <= 128; at M = 256 0.61-0.81x at N = 4096 / 8192 and 1.19x at N = 2048).
+constexpr int64_t bwd_small_max_rows(int64_t row_bytes) { return row_bytes >= 8192 ? 256 : 128; }
+constexpr int kBwdSmallMaxThreads = 512;   // the kernel's __launch_bounds__
+
+template <typename TX, typename TH, typename TD, int PACKS>
+__global__ void __launch_bounds__(kBwdSmallMaxThreads) rms_norm_bwd_small_kernel(const BwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using HPack = Pack<TH, VEC>;
+  using DPack = Pack<TD, VEC>;
+  constexpr int EU = VEC * 4 / 16;  // 16-byte units of an fp32 pack
+  constexpr int kCols = kBwdSmallColPacks * VEC;  // columns per dW CTA
+  __shared__ float red[32];
+  __shared__ __align__(16) float dws[kBwdSmallMaxThreads / 32][kBwdSmallColPacks * 8];
+  const int N = static_cast<int>(a.N), NV = N / VEC;
+  const int64_t M = a.M;
+
+  pdl_wait_and_release();  // every global access below follows the previous grid (PDL launch)
+  if (static_cast<int>(blockIdx.x) >= a.row_blocks) {
+    // dW for columns [c0, c0 + kCols): lane = column pack, warp = row lane.
+    const int cp = static_cast<int>(threadIdx.x) & 31, rl = static_cast<int>(threadIdx.x) >> 5;
+    const int lanes = static_cast<int>(blockDim.x) >> 5;
+    const int c0 = (static_cast<int>(blockIdx.x) - a.row_blocks) * kCols;
+    const int v = c0 / VEC + cp;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+    if (v < NV) {
+      const TH* hb = static_cast<const TH*>(a.h) + v * VEC;
+      const TD* db = static_cast<const TD*>(a.dy) + v * VEC;
+#pragma unroll 4
+      for (int64_t r = rl; r < M; r += lanes) {
+        HPack hv;
+        DPack dv;
+#pragma unroll
+        for (int k = 0; k < HPack::kUnits; ++k)
+          hv.u[k] = ld16<Ld::Keep>(reinterpret_cast<const uint4*>(hb + r * a.h_stride) + k);
+#pragma unroll
+        for (int k = 0; k < DPack::kUnits; ++k)
+          dv.u[k] = ld16<Ld::Keep>(reinterpret_cast<const uint4*>(db + r * a.dy_stride) + k);
+        const float rs = a.rstd[r];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += dv.f(j) * (hv.f(j) * rs);
+      }
+    }
+    float4* mine = reinterpret_cast<float4*>(&dws[rl][cp * VEC]);
+#pragma unroll
+    for (int k = 0; k < VEC / 4; ++k) mine[k] = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+    __syncthreads();
+    for (int e = static_cast<int>(threadIdx.x); e < kCols; e += static_cast<int>(blockDim.x)) {
+      const int col = c0 + e;
+      if (col >= N) break;
+      float t = dws[0][e];
+      for (int l = 1; l < lanes; ++l) t += dws[l][e];
+      if (a.w_f32) {
+        static_cast<float*>(a.dw)[col] = t;
+      } else {
+        static_cast<TX*>(a.dw)[col] = from_float<TX>(t);
+      }
+    }
+    return;
+  }
+
+  // dx for one row slot: dx = rs * (dy * s - xhat * sum(dy * s * xhat) / N) + dh_extra.
+  const int tpr = a.tpr;
+  const int rib = static_cast<int>(threadIdx.x) >> a.tpr_shift;
+  const int lane = static_cast<int>(threadIdx.x) - rib * tpr;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * a.rpb + rib;
+  const bool valid = row < M;  // false only in the last block of short rows
+  bool has[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) has[i] = valid && lane + i * tpr < NV;
+  const float rs = valid ? a.rstd[row] : 0.f;
+  const TH* hr = static_cast<const TH*>(a.h) + (valid ? row : 0) * a.h_stride;
+  const TD* dr = static_cast<const TD*>(a.dy) + (valid ? row : 0) * a.dy_stride;
+  HPack hv[PACKS];
+  DPack dv[PACKS];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    const int v = lane + i * tpr;
+#pragma unroll
+    for (int k = 0; k < HPack::kUnits; ++k)
+      hv[i].u[k] = has[i] ? ld16<Ld::Keep>(reinterpret_cast<const uint4*>(hr + v * VEC) + k)
+                          : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int k = 0; k < DPack::kUnits; ++k)
+      dv[i].u[k] = has[i] ? ld16<Ld::Keep>(reinterpret_cast<const uint4*>(dr + v * VEC) + k)
+                          : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float s[PACKS][VEC];
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    if (has[i]) {
+      load_scale<TX, VEC>(s[i], a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
+    }
+  }
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dot += dv[i].f(j) * s[i][j] * (hv[i].f(j) * rs);
+  const float c = small_row_sum(dot, tpr, rib, red) * (1.f / static_cast<float>(N));
+  if (!valid) return;  // after the block-wide reduction
+  char* dxr = dx_row<TX>(a, row);
+  const void* er = a.extra != nullptr ? extra_row<TX>(a, row) : nullptr;
+#pragma unroll
+  for (int i = 0; i < PACKS; ++i) {
+    if (!has[i]) continue;
+    const int v = lane + i * tpr;
+    uint4 ev[EU];
+    if (er != nullptr) {
+      if (a.extra_f32) {
+#pragma unroll
+        for (int k = 0; k < EU; ++k)
+          ev[k] = ld16<Ld::Stream>(reinterpret_cast<const uint4*>(static_cast<const float*>(er) + v * VEC) + k);
+      } else {
+        ev[0] = ld16<Ld::Stream>(reinterpret_cast<const uint4*>(static_cast<const TX*>(er) + v * VEC));
+      }
+    }
+    float o[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float xhat = hv[i].f(j) * rs;
+      o[j] = rs * (dv[i].f(j) * s[i][j] - xhat * c);
+      if (er != nullptr) o[j] += elem_rt<TX>(ev, a.extra_f32, j);
+    }
+    if (a.dx_f32) {
+      Pack<float, VEC> p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
+      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(dxr) + v * VEC);
+#pragma unroll
+      for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
+    } else {
+      Pack<TX, VEC> p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
+      *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(dxr) + v * VEC) = p.u[0];
+    }
+  }
+}
+
+// FUSED_MLP_RMS_NORM_BWD_SMALL = auto | on | off [,packs=1|2|4] (common.cuh: SmallKnob), read once per process
+// ("dynamic": at every call). auto: M <= bwd_small_max_rows unless FUSED_MLP_RMS_NORM_BWD forces a kernel; on: every M
+// (where the row fits); off: never.
+inline SmallKnob rms_bwd_small_knob() {
+  static const SmallKnobReader reader("FUSED_MLP_RMS_NORM_BWD_SMALL", "packs");
+  return reader.get();
+}
+
+// Launches the few-rows backward for (TX, TH, TD) where the knob, M and the layout allow it; false: the caller takes
+// the other kernels. dW (when wanted) is written directly.
+template <typename TX, typename TH, typename TD>
+bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, cudaStream_t stream, bool want_dw) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  const SmallKnob k = rms_bwd_small_knob();
+  if (k.mode == SmallKnob::kOff) return false;
+  // auto: few rows, and only where FUSED_MLP_RMS_NORM_BWD leaves the choice (reg / legacy force those kernels).
+  if (k.mode == SmallKnob::kAuto &&
+      (a.M > bwd_small_max_rows(a.N * static_cast<int64_t>(sizeof(TX))) || bwd_knob().mode != BwdKnob::kAuto))
+    return false;
+  if (!a.vec_ok || a.N % VEC != 0 || a.M >= (int64_t{1} << 31)) return false;
+  const int64_t NV = a.N / VEC;
+  // Packs per thread: the fewest whose row fits 512 threads (1 / 2 / 4 packs: 0.75-0.9x the next larger count's time
+  // at M = 1..128, bf16 N = 4096 / 8192, fp32 N = 4096); the knob's ",packs=" forces 1, 2 or 4.
+  const int packs = k.value == 1 || k.value == 2 || k.value == 4 ? k.value : NV <= 512 ? 1 : NV <= 1024 ? 2 : 4;
+  SmallConfig sc;
+  if (!small_config(NV, a.M, info.sms, packs, sc) || sc.packs > 4 ||
+      sc.threads() > kBwdSmallMaxThreads)
+    return false;
+  const int64_t row_blocks = (a.M + sc.rpb - 1) / sc.rpb;
+  const int64_t dw_blocks = want_dw ? (NV + kBwdSmallColPacks - 1) / kBwdSmallColPacks : 0;
+  if (row_blocks + dw_blocks > INT32_MAX) return false;
+  a.tpr = sc.tpr;
+  a.rpb = sc.rpb;
+  a.tpr_shift = sc.tpr_shift;
+  a.row_blocks = static_cast<int>(row_blocks);
+  a.partial = nullptr;
+  a.direct_dw = want_dw;
+  bool launched = false;
+  dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) {
+    auto* kern = &rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(row_blocks + dw_blocks), 1, 1);
+    cfg.blockDim = dim3(static_cast<unsigned>(sc.threads()), 1, 1);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    if (small_pdl(info)) {
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, a));
+    launched = true;
+  });
+  return launched;
+}

@@ -811,6 +811,9 @@ def test_cuda_bwd_reg_knob(knob):
         from test_rms_norm import bwd_reg_cases
         fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
         if {knob!r} == "dynamic":
+            # The launcher reads the variable first here, while it says "dynamic" (then at every call).
+            xp = torch.ones(2, 64, device="cuda", requires_grad=True)
+            fm.rms_norm(xp, torch.ones(64, device="cuda", requires_grad=True)).sum().backward()
             for mode in ("legacy", "reg"):
                 os.environ["FUSED_MLP_RMS_NORM_BWD"] = mode
                 bwd_reg_cases(fm)
@@ -820,6 +823,96 @@ def test_cuda_bwd_reg_knob(knob):
         """
     )
     env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD": knob}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+
+
+def bwd_small_cases(fm, knob):
+    """The few-rows backward (one launch: dx CTAs beside dW CTAs): its packs-per-thread classes (1 / 2 / 4 packs, rows
+    of 1..2048 packs), its edges (N not a multiple of the 16-byte pack and rows past 2048 packs take the other
+    kernels; auto stops at M = 128, 256 for rows of >= 8 KB), every feature (dh_extra of x's dtype and fp32, Gemma's
+    offset, no weight, fp32 weight, fp32 dy and dx), dW bitwise reproducible, and which kernel ran (profiler). Run
+    by test_cuda_bwd_small_knob under each knob value in a fresh process."""
+    bf = torch.bfloat16
+    w_of = lambda n, dt=bf: 1 + 0.25 * make((n,), dt, "cuda", seed=1)  # noqa: E731
+    on = knob.startswith("on")
+
+    def takes_small(M, n, elem):
+        vec = 16 // elem
+        return n % vec == 0 and n // vec <= 2048 and knob != "off" and (on or M <= (256 if n * elem >= 8192 else 128))
+
+    def kernels_of(M, n, dtype, **kw):
+        x = make((M, n), dtype, "cuda").requires_grad_()
+        w = w_of(n, dtype).requires_grad_()
+        y = fm.rms_norm(x, w, **kw)
+        dy = make((M, n), dtype, "cuda", seed=5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y.backward(dy)
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 5376, 8192, 16384, 16392)),
+                      (torch.float16, (512, 4096)),
+                      (torch.float32, (4, 2048, 4100, 8192, 8196))]:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        for n in ns:
+            for M in (1, 3, 128, 129):
+                run_case(fm, make((M, n), dtype, "cuda"), w_of(n, dtype))
+            for M in (16, 128, 129, 256, 257):
+                names = kernels_of(M, n, dtype)
+                assert ("rms_norm_bwd_small_kernel" in names) == takes_small(M, n, elem), (M, n, dtype, names)
+    names = kernels_of(300, 2048, bf)
+    assert ("rms_norm_bwd_small_kernel" in names) == takes_small(300, 2048, 2), names
+    for M in (2, 37):
+        x = make((M, 4096), bf, "cuda")
+        run_case(fm, x, None, residual=make((M, 4096), bf, "cuda", seed=2))  # dh_extra (bf16)
+        run_case(fm, x, w_of(4096), residual=make((M, 4096), torch.float32, "cuda", seed=2),
+                 residual_dtype=torch.float32)  # fp32 h, dh_extra and dx
+        run_case(fm, x, w_of(4096), offset=1.0)  # Gemma
+        run_case(fm, x, None)  # no weight
+        run_case(fm, x, w_of(4096, torch.float32))  # fp32 weight
+        run_case(fm, x, w_of(4096, torch.float32), out_dtype=torch.float32)  # fp32 dy
+        run_case(fm, x, w_of(4096), dy_dtype=torch.float32)
+    # Row-strided and offset rows (aligned: the kernel reads them in place).
+    run_case(fm, make((9, 4104), bf, "cuda")[:, 8:], w_of(4096))
+    for M, n in [(64, 4096), (7, 8192), (130, 2048)]:
+        x, w, dy = make((M, n), bf, "cuda"), w_of(n), make((M, n), bf, "cuda", seed=4)
+
+        def grads():
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            fm.rms_norm(xr, wr).backward(dy)
+            return xr.grad, wr.grad
+
+        (dx1, dw1), (dx2, dw2) = grads(), grads()
+        assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2), (M, n)
+
+
+@requires_cuda
+@pytest.mark.parametrize("knob", ["auto", "on", "on,packs=1", "on,packs=2", "off", "dynamic"])
+def test_cuda_bwd_small_knob(knob):
+    """bwd_small_cases with FUSED_MLP_RMS_NORM_BWD_SMALL forced (read once: a fresh process per value). "dynamic"
+    re-reads the variable at every call: the cases run with "off" then "on" in one process (crossover.py's A/B)."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
+        import kernels
+        from test_rms_norm import bwd_small_cases
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
+        if {knob!r} == "dynamic":
+            # The launcher reads the variable first here, while it says "dynamic" (then at every call).
+            xp = torch.ones(2, 64, device="cuda", requires_grad=True)
+            fm.rms_norm(xp, torch.ones(64, device="cuda", requires_grad=True)).sum().backward()
+            for mode in ("off", "on"):
+                os.environ["FUSED_MLP_RMS_NORM_BWD_SMALL"] = mode
+                bwd_small_cases(fm, mode)
+        else:
+            bwd_small_cases(fm, {knob!r})
+        print("ok")
+        """
+    )
+    env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD_SMALL": knob}
+    env.pop("FUSED_MLP_RMS_NORM_BWD", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
 

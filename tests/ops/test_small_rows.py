@@ -28,14 +28,23 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MS = [1, 2, 3, 7, 16, 63, 64, 65]
 NS = [1, 3, 128, 256, 512, 1000, 2048, 2304, 4096, 5376, 8192, 16384]
 # The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows: rms_norm's few-rows kernel up to
-# M = 64 rows at every N it holds; geglu.cu kSmallMaxElems): the row counts on both sides are tested too.
-RMS_AUTO_MAX_ROWS: tuple[tuple[int, int], ...] = ((16384, 64),)
+# M = 64 rows at every N it holds, and for 16-bit rows of N = 2048..8192 up to M * N = 2^21 elements; geglu.cu
+# kSmallMaxElems): the row counts on both sides are tested too.
+RMS_AUTO_MAX_ELEMS_16 = 1 << 21
 GEGLU_AUTO_MAX_ELEMS = 1 << 21
 
 
-def rms_row_counts(n: int) -> list[int]:
-    limit = next((m for n_max, m in RMS_AUTO_MAX_ROWS if n <= n_max), None)
-    return MS + ([limit - 1, limit, limit + 1] if limit is not None else [])
+def rms_auto_max_rows(n: int, dtype: torch.dtype) -> int | None:
+    """The few-rows forward's auto row limit for rows of n elements (None: rows it does not hold)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if n * elem > 16384 * 2:
+        return None
+    return max(64, RMS_AUTO_MAX_ELEMS_16 // n) if elem == 2 and 2048 <= n <= 8192 else 64
+
+
+def rms_row_counts(n: int, dtype: torch.dtype) -> list[int]:
+    limit = rms_auto_max_rows(n, dtype)
+    return MS + ([limit - 1, limit, limit + 1] if limit is not None and limit > 64 else [])
 
 
 def check_rstd(fm, x, w, *, eps=1e-6, offset=0.0, residual=None, residual_dtype=None):
@@ -56,7 +65,7 @@ def check_rstd(fm, x, w, *, eps=1e-6, offset=0.0, residual=None, residual_dtype=
 def test_rms_norm_fwd_shapes(fm, dtype, N):
     """y (2x rule) and rstd at every row count around the decode sizes and the auto limit."""
     w = 1 + 0.25 * make((N,), dtype, "cuda", seed=1)
-    for M in rms_row_counts(N):
+    for M in rms_row_counts(N, dtype):
         x = make((M, N), dtype, "cuda", seed=M)
         run_case(fm, x, w, check_grads=False)
         check_rstd(fm, x, w)
@@ -264,6 +273,13 @@ def test_path_follows_knob(fm):
     small_l = any("rms_norm_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.rms_norm(xl, w)))
     assert small1 == (rms != "off"), (rms, small1)  # auto: the few-rows kernel up to M = 64
     assert small_l == (rms == "on"), (rms, small_l)
+    # auto's limit by (N, dtype): both sides of it (rms_auto_max_rows).
+    for dtype, n, m in ((torch.bfloat16, 4096, 512), (torch.bfloat16, 4096, 513), (torch.float16, 2048, 1024),
+                        (torch.bfloat16, 8192, 257), (torch.bfloat16, 16384, 65), (torch.float32, 2048, 65)):
+        x = make((m, n), dtype, "cuda")
+        wn = make((n,), dtype, "cuda", seed=1)
+        small = any("rms_norm_fwd_small_kernel" in k for k in _kernel_names(lambda: fm.rms_norm(x, wn)))
+        assert small == (rms == "on" or (rms == "auto" and m <= rms_auto_max_rows(n, dtype))), (rms, dtype, n, m)
     g1, u1 = inputs((1, 8192), torch.bfloat16, "cuda")
     gl, ul = (torch.randn((4096, 16384), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     small1 = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(g1, u1)))
