@@ -4,7 +4,7 @@ persistent path forced off, per row count, with torch.compile of the plain defin
 launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows, geglu.cu kSmallMaxElems) come from this.
 
     python benchmarks/crossover.py --quick     # M in {1, 4, 16, 64, 256, 1024}, rms_norm + add_rms_norm, geglu/swiglu
-                                               # at I 8192/16384, the backward at N 2048/4096/8192 (~2 min)
+                                               # at I 8192/16384, the backward at N 2048/4096/8192 (~2.5 min)
     python benchmarks/crossover.py             # M in {1, 2, 4, ..., 1024} x N {2048, 4096, 8192}, gemma too, I 14336
     python benchmarks/crossover.py --configs   # also every packs-per-thread / block-size choice of the new kernels
 

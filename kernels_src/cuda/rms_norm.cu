@@ -1630,7 +1630,7 @@ RowsConfig rows_config(int64_t NV, int max_iters, int max_tpr, int forced, int64
 //   packs per thread by row length in packs NV (threads per row = NV / packs): N <= 2048 bf16 -> 1 pack,
 //     4096 -> 2, 8192/16384 -> 4, i.e. 256-512 threads per row (not swept yet: the knob's ",packs=" does).
 //   "auto" takes it up to M = 64, and for 16-bit rows of N = 2048..8192 up to M * N = 2^21 elements (M = 1024 / 512
-//   / 256 at N = 2048 / 4096 / 8192): 0.43-0.96x the reg kernel's CUDA-graph time there, plain and fused add, with and
+//   / 256 at N = 2048 / 4096 / 8192): 0.43-0.98x the reg kernel's CUDA-graph time there, plain and fused add, with and
 //   without PDL (H200) -- docs/tuning-log.md#rms-norm-decode. FUSED_MLP_RMS_NORM_SMALL=on|off forces it.
 int small_table_packs(int64_t NV) { return NV <= 256 ? 1 : NV <= 512 ? 2 : NV <= 2048 ? 4 : 0; }
 constexpr int64_t kSmallMaxElems16 = int64_t{1} << 21;

@@ -488,7 +488,7 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
 // not depend on the row dot products, so the two kinds of CTA share nothing; the dW CTAs re-read h and dy from L2.
 // Aligned rows of whole packs only. PDL as the forward's few-rows kernel. Register budget: PACKS <= 4 h, dy and scale
 // packs at __launch_bounds__(512) (<= 128 registers; ptxas: docs/tuning-log.md#rms-norm-bwd-small).
-// Shared memory: static, 32 floats + (512 / 32) row lanes x kBwdSmallColPacks x 8 fp32 sums = 16.5 KB.
+// Shared memory: static, 32 floats + (512 / 32) row lanes x kBwdSmallColPacks x 8 fp32 sums = 16.1 KB.
 constexpr int kBwdSmallColPacks = 32;      // column packs per dW CTA (one per lane of a row lane's warp)
 // auto: up to 128 rows, 256 for rows of >= 8 KB (H200 bf16, CUDA graphs: 0.26-0.73x the other kernels' time at
 // M <= 128; at M = 256 0.61-0.81x at N = 4096 / 8192 and 1.19x at N = 2048).

@@ -823,6 +823,7 @@ def test_cuda_bwd_reg_knob(knob):
         """
     )
     env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD": knob}
+    env.pop("FUSED_MLP_RMS_NORM_BWD_SMALL", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
 
@@ -851,14 +852,14 @@ def bwd_small_cases(fm, knob):
             torch.cuda.synchronize()
         return " ".join(e.name for e in prof.events())
 
-    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 5376, 8192, 16384, 16392)),
+    for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4100, 5376, 8192, 16384, 16392)),  # 4100: not whole packs
                       (torch.float16, (512, 4096)),
                       (torch.float32, (4, 2048, 4100, 8192, 8196))]:
         elem = torch.empty(0, dtype=dtype).element_size()
         for n in ns:
             for M in (1, 3, 128, 129):
                 run_case(fm, make((M, n), dtype, "cuda"), w_of(n, dtype))
-            for M in (16, 128, 129, 256, 257):
+            for M in (1, 3, 16, 128, 129, 256, 257):
                 names = kernels_of(M, n, dtype)
                 assert ("rms_norm_bwd_small_kernel" in names) == takes_small(M, n, elem), (M, n, dtype, names)
     names = kernels_of(300, 2048, bf)
