@@ -646,7 +646,7 @@ inline SmallKnob rms_bwd_small_knob() {
 // Launches the few-rows backward for (TX, TH, TD) where the knob, M and the layout allow it; false: the caller takes
 // the other kernels. dW (when wanted) is written directly.
 template <typename TX, typename TH, typename TD>
-bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, cudaStream_t stream, bool want_dw) {
+bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t stream, bool want_dw) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   const SmallKnob k = rms_bwd_small_knob();
   if (k.mode == SmallKnob::kOff) return false;
@@ -657,15 +657,24 @@ bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, cudaStream_t stream, b
   if (!a.vec_ok || a.N % VEC != 0 || a.M >= (int64_t{1} << 31)) return false;
   const int64_t NV = a.N / VEC;
   // Packs per thread: the fewest whose row fits 512 threads (1 / 2 / 4 packs: 0.75-0.9x the next larger count's time
-  // at M = 1..128, bf16 N = 4096 / 8192, fp32 N = 4096); the knob's ",packs=" forces 1, 2 or 4.
-  const int packs = k.value == 1 || k.value == 2 || k.value == 4 ? k.value : NV <= 512 ? 1 : NV <= 1024 ? 2 : 4;
+  // at M = 1..128, bf16 N = 4096 / 8192, fp32 N = 4096); the knob's ",packs=" forces 1, 2 or 4 where the row fits.
+  auto fits = [&](int p) { return (NV + p - 1) / p <= kBwdSmallMaxThreads; };
+  const bool forced = (k.value == 1 || k.value == 2 || k.value == 4) && fits(k.value);
+  const int packs = forced ? k.value : fits(1) ? 1 : fits(2) ? 2 : 4;
   SmallConfig sc;
-  if (!small_config(NV, a.M, info.sms, packs, sc) || sc.packs > 4 ||
-      sc.threads() > kBwdSmallMaxThreads)
+  // The dW CTAs' row lanes are whole warps: the block must be too (small_config makes it so; checked, not assumed).
+  if (!fits(packs) || !small_config(NV, a.M, info.sms, packs, sc) || sc.packs != packs ||
+      sc.threads() > kBwdSmallMaxThreads || sc.threads() % 32 != 0)
     return false;
   const int64_t row_blocks = (a.M + sc.rpb - 1) / sc.rpb;
   const int64_t dw_blocks = want_dw ? (NV + kBwdSmallColPacks - 1) / kBwdSmallColPacks : 0;
   if (row_blocks + dw_blocks > INT32_MAX) return false;
+  bool spills = false;  // measured spill-free on sm_90 only; other architectures allocate differently
+  dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) {
+    spills = kernel_spills(reinterpret_cast<const void*>(&rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>),
+                           dev);
+  });
+  if (spills) return false;
   a.tpr = sc.tpr;
   a.rpb = sc.rpb;
   a.tpr_shift = sc.tpr_shift;
