@@ -16,8 +16,9 @@ call is the median over rounds / 20 (p20/p80 recorded too). Providers:
   ours_old    FUSED_MLP_*_SMALL=off    the persistent kernels
   ours_auto   FUSED_MLP_*_SMALL=auto   what ships (one of the two, by the launcher's limit)
   inductor    torch.compile of the plain fp32-math definition (token dim dynamic, size 1 its own graph, as sweep.py)
-The knobs switch between captures in this one process: it starts with FUSED_MLP_RMS_NORM_SMALL=dynamic (and the
-GeGLU one), which makes the launchers re-read the variable at every call; a graph replays what was captured.
+The knobs switch between captures in this one process: it sets FUSED_MLP_KNOBS_DYNAMIC=1 before the first kernel
+call, which makes the launchers re-read their variables at every call (prime_knobs checks that they do); a graph
+replays what was captured.
 Backward (rms_norm_bwd, dx and dW from the saved rstd; "bwd_graph" rows): the few-rows backward on / off / auto
 (FUSED_MLP_RMS_NORM_BWD_SMALL) against Inductor's code for the plain backward formula at M in {1, 4, 16, ..., 256}.
 
@@ -37,9 +38,7 @@ from pathlib import Path
 from typing import Any
 
 # Before the kernel's first call: the launchers then re-read the knobs at every call (see the docstring).
-os.environ["FUSED_MLP_RMS_NORM_SMALL"] = "dynamic"
-os.environ["FUSED_MLP_GEGLU_SMALL"] = "dynamic"
-os.environ["FUSED_MLP_RMS_NORM_BWD_SMALL"] = "dynamic"
+os.environ["FUSED_MLP_KNOBS_DYNAMIC"] = "1"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -69,7 +68,7 @@ N_ALL = (2048, 4096, 8192)
 I_FULL = (8192, 14336, 16384)
 I_QUICK = (8192, 16384)
 BWD_M = (1, 4, 16, 64, 128, 256)
-# The few-rows backward forced on / off / as shipped (FUSED_MLP_RMS_NORM_BWD_SMALL, re-read per call: "dynamic").
+# The few-rows backward forced on / off / as shipped (FUSED_MLP_RMS_NORM_BWD_SMALL, re-read per call).
 BWD_SMALL_KNOB = "FUSED_MLP_RMS_NORM_BWD_SMALL"
 BWD_KNOBS = (("ours_small", "on"), ("ours_old", "off"), ("ours_auto", "auto"))
 RMS_OPS = ("rms_norm", "add_rms_norm", "gemma_rms_norm")
@@ -183,9 +182,9 @@ def act_case(fm, op: str, T: int, I: int, dtype: torch.dtype, compiled: Compiled
 
 
 def prime_knobs(fm) -> None:
-    """Each launcher reads its knob variable first here, while it still says "dynamic", so that it re-reads it at
-    every call; a first read under "on" or "off" would fix that value for the process (every provider would run the
-    same kernel: the crossover rows before 2026-12-04 did). Then checks that the providers' kernels differ."""
+    """Checks that each launcher re-reads its knob variable at every call (FUSED_MLP_KNOBS_DYNAMIC): "on" and "off"
+    must launch different kernels. Without that every provider would run the same kernel (the crossover rows before
+    2026-12-04 did: a knob's first read fixed its value for the process)."""
     bf = torch.bfloat16
     x = torch.ones(2, 2048, device="cuda", dtype=bf)
     ops = fm._ops.ops
@@ -194,9 +193,8 @@ def prime_knobs(fm) -> None:
         KNOB["act"]: lambda: fm.geglu(x, x, approximate="tanh"),
         BWD_SMALL_KNOB: lambda: ops.rms_norm_bwd(x, x, torch.ones(2, device="cuda"), x[0], None, 0.0, bf, True),
     }
+    assert os.environ.get("FUSED_MLP_KNOBS_DYNAMIC") == "1"
     for var, call in calls.items():
-        assert os.environ.get(var) == "dynamic", var
-        call()
         names = {}
         for value in ("on", "off"):
             os.environ[var] = value
@@ -206,7 +204,7 @@ def prime_knobs(fm) -> None:
             names[value] = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
         os.environ[var] = "auto"
         if names["on"] == names["off"]:
-            raise SystemExit(f"{var}: on and off launch the same kernels ({names['on']}); was it read before?")
+            raise SystemExit(f"{var}: on and off launch the same kernels ({names['on']}): the knob is not re-read")
 
 
 def first(out: Any) -> torch.Tensor:

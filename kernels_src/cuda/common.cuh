@@ -200,11 +200,22 @@ inline int knob_value(const std::string& s, const char* key, int absent) {
   return at == std::string::npos ? absent : std::atoi(s.c_str() + at + pat.size());
 }
 
-// Host: the switch of a "few rows" (decode-class) path, from an environment variable read once per process:
+// Host: whether a tuning knob whose value at its first read was `first` is re-read at every call (a getenv per call,
+// for benchmarks and tests that switch knobs between calls in one process): its value then started with "dynamic", or
+// FUSED_MLP_KNOBS_DYNAMIC=1 (itself read once: set it before the first kernel call). Otherwise a knob is read once
+// per process, and a later change of the variable has no effect.
+inline bool knob_dynamic(const char* first) {
+  static const bool all = [] {
+    const char* e = std::getenv("FUSED_MLP_KNOBS_DYNAMIC");
+    return e != nullptr && e[0] == '1';
+  }();
+  return all || (first != nullptr && std::strncmp(first, "dynamic", 7) == 0);
+}
+
+// Host: the switch of a "few rows" (decode-class) path, from an environment variable read once per process
+// (knob_dynamic: at every call):
 //   "auto" (or unset / unknown): the launcher's measured threshold | "on": wherever the path applies | "off": never;
 //   an optional ",<key>=<int>" tuning value (e.g. "on,packs=2"; 0 when absent).
-//   "dynamic" at the first read: the variable is re-read at every call (a getenv per call; for
-//   benchmarks/crossover.py, which switches it between CUDA-graph captures in one process).
 struct SmallKnob {
   enum Mode { kAuto, kOn, kOff };
   Mode mode = kAuto;
@@ -215,7 +226,7 @@ class SmallKnobReader {
  public:
   SmallKnobReader(const char* var, const char* key) : var_(var), key_(key) {
     const char* e = std::getenv(var);
-    dynamic_ = e != nullptr && std::strncmp(e, "dynamic", 7) == 0;
+    dynamic_ = knob_dynamic(e);
     fixed_ = parse(e);
   }
   SmallKnob get() const { return dynamic_ ? parse(std::getenv(var_)) : fixed_; }

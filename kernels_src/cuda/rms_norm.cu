@@ -1735,7 +1735,7 @@ void dispatch_int(int v, F&& f) {
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
 // FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K], read once per process
-// ("dynamic" first: re-read at every call, like SmallKnobReader, so a benchmark can A/B in one process). auto: the reg
+// (common.cuh knob_dynamic: at every call, so a benchmark can A/B in one process). auto: the reg
 // kernels for aligned rows of whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they
 // apply, ahead of that switch; legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg
 // launch takes clusters of C CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <=
@@ -1767,10 +1767,7 @@ FwdKnob parse_fwd_knob(const char* e) {
 
 FwdKnob rms_fwd_knob() {
   static const char* const var = "FUSED_MLP_RMS_NORM_FWD";
-  static const bool dynamic = [] {
-    const char* e = std::getenv(var);
-    return e != nullptr && std::strncmp(e, "dynamic", 7) == 0;
-  }();
+  static const bool dynamic = knob_dynamic(std::getenv(var));
   static const FwdKnob fixed = parse_fwd_knob(std::getenv(var));
   return dynamic ? parse_fwd_knob(std::getenv(var)) : fixed;
 }

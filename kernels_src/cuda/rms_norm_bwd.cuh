@@ -300,7 +300,7 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 // ---- host ------------------------------------------------------------------------------------------------------
 
 // FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1], read once per process
-// ("dynamic" at the first read: re-read at every call, so one process can A/B the kernels). auto: the rows / wide
+// (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
 // kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg); reg: the register kernel wherever it applies (aligned rows,
 // N % VEC == 0, a row within its reach); legacy: = auto. packs: force PACKS (where the variant exists); cluster (sm_90+):
 // force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never).
@@ -327,7 +327,7 @@ inline BwdKnob parse_bwd_knob(const char* e) {
 
 inline BwdKnob bwd_knob() {
   static const char* const first = std::getenv("FUSED_MLP_RMS_NORM_BWD");
-  static const bool dynamic = first != nullptr && std::strncmp(first, "dynamic", 7) == 0;
+  static const bool dynamic = knob_dynamic(first);
   static const BwdKnob fixed = parse_bwd_knob(first);
   return dynamic ? parse_bwd_knob(std::getenv("FUSED_MLP_RMS_NORM_BWD")) : fixed;
 }
@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(kBwdSmallMaxThreads) rms_norm_bwd_small_kernel
 }
 
 // FUSED_MLP_RMS_NORM_BWD_SMALL = auto | on | off [,packs=1|2|4] (common.cuh: SmallKnob), read once per process
-// ("dynamic": at every call). auto: M <= bwd_small_max_rows unless FUSED_MLP_RMS_NORM_BWD forces a kernel; on: every M
+// (knob_dynamic: at every call). auto: M <= bwd_small_max_rows unless FUSED_MLP_RMS_NORM_BWD forces a kernel; on: every M
 // (where the row fits); off: never.
 inline SmallKnob rms_bwd_small_knob() {
   static const SmallKnobReader reader("FUSED_MLP_RMS_NORM_BWD_SMALL", "packs");

@@ -754,7 +754,7 @@ def test_cuda_tuning_knobs_subprocess():
 # ---- GPU: the backward's register kernel (FUSED_MLP_RMS_NORM_BWD) -----------------------------------------
 
 
-def bwd_reg_cases(fm):
+def bwd_reg_cases(fm, knob=None):
     """The register kernel's configurations (1 pack per thread: 1..32 threads per row for N <= 256 bf16, then whole
     warps up to 1024 threads at N = 8192 bf16 / 4096 fp32; "packs=2" / "packs=4" halve / quarter that; beyond, on
     sm_90, the row split over a cluster of 2..8 CTAs), its limits (the next N falls to the rows / wide kernels), M
@@ -797,35 +797,49 @@ def bwd_reg_cases(fm):
         assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2), (M, n)
 
 
+def knob_cases_subprocess(var: str, knob: str, cases: str, modes: tuple[str, str], other: str) -> None:
+    """Runs ``test_rms_norm.<cases>(fm, mode)`` in a fresh process (knobs are read once per process) with ``var`` set
+    to ``knob``, and ``other`` (the other backward knob) unset. ``knob`` "dynamic": the launcher's first read sees
+    "dynamic" (then it re-reads at every call), and the cases run under each of ``modes`` in turn; "global": the
+    variable says ``modes[0]`` at the first read, FUSED_MLP_KNOBS_DYNAMIC=1 makes every knob re-read at every call,
+    and the cases run under ``modes[0]`` then ``modes[1]`` with no priming (fails where the first read fixes it)."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
+        import kernels
+        from test_rms_norm import {cases} as cases
+        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
+        if {knob!r} == "dynamic":
+            # The launcher reads the variable first here, while it says "dynamic" (then at every call).
+            xp = torch.ones(2, 64, device="cuda", requires_grad=True)
+            fm.rms_norm(xp, torch.ones(64, device="cuda", requires_grad=True)).sum().backward()
+        if {knob!r} in ("dynamic", "global"):
+            for mode in {modes!r}:
+                os.environ[{var!r}] = mode
+                cases(fm, mode)
+        else:
+            cases(fm, {knob!r})
+        print("ok")
+        """
+    )
+    env = {**os.environ, var: modes[0] if knob == "global" else knob}
+    env.pop(other, None)
+    env.pop("FUSED_MLP_KNOBS_DYNAMIC", None)
+    if knob == "global":
+        env["FUSED_MLP_KNOBS_DYNAMIC"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+
+
 @requires_cuda
 @pytest.mark.parametrize("knob", ["auto", "reg", "reg,packs=1", "reg,packs=2,pf=0", "reg,packs=4", "reg,packs=4,cluster=2",
                                   "reg,packs=2,cluster=8", "legacy", "dynamic"])
 def test_cuda_bwd_reg_knob(knob):
     """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
     the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup)."""
-    code = textwrap.dedent(
-        f"""
-        import os, sys, torch
-        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
-        import kernels
-        from test_rms_norm import bwd_reg_cases
-        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
-        if {knob!r} == "dynamic":
-            # The launcher reads the variable first here, while it says "dynamic" (then at every call).
-            xp = torch.ones(2, 64, device="cuda", requires_grad=True)
-            fm.rms_norm(xp, torch.ones(64, device="cuda", requires_grad=True)).sum().backward()
-            for mode in ("legacy", "reg"):
-                os.environ["FUSED_MLP_RMS_NORM_BWD"] = mode
-                bwd_reg_cases(fm)
-        else:
-            bwd_reg_cases(fm)
-        print("ok")
-        """
-    )
-    env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD": knob}
-    env.pop("FUSED_MLP_RMS_NORM_BWD_SMALL", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+    knob_cases_subprocess("FUSED_MLP_RMS_NORM_BWD", knob, "bwd_reg_cases", ("legacy", "reg"),
+                          "FUSED_MLP_RMS_NORM_BWD_SMALL")
 
 
 def bwd_small_cases(fm, knob):
@@ -889,33 +903,13 @@ def bwd_small_cases(fm, knob):
 
 
 @requires_cuda
-@pytest.mark.parametrize("knob", ["auto", "on", "on,packs=1", "on,packs=2", "off", "dynamic"])
+@pytest.mark.parametrize("knob", ["auto", "on", "on,packs=1", "on,packs=2", "off", "dynamic", "global"])
 def test_cuda_bwd_small_knob(knob):
     """bwd_small_cases with FUSED_MLP_RMS_NORM_BWD_SMALL forced (read once: a fresh process per value). "dynamic"
-    re-reads the variable at every call: the cases run with "off" then "on" in one process (crossover.py's A/B)."""
-    code = textwrap.dedent(
-        f"""
-        import os, sys, torch
-        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
-        import kernels
-        from test_rms_norm import bwd_small_cases
-        fm = kernels.get_local_kernel(__import__("pathlib").Path({str(ROOT)!r}))
-        if {knob!r} == "dynamic":
-            # The launcher reads the variable first here, while it says "dynamic" (then at every call).
-            xp = torch.ones(2, 64, device="cuda", requires_grad=True)
-            fm.rms_norm(xp, torch.ones(64, device="cuda", requires_grad=True)).sum().backward()
-            for mode in ("off", "on"):
-                os.environ["FUSED_MLP_RMS_NORM_BWD_SMALL"] = mode
-                bwd_small_cases(fm, mode)
-        else:
-            bwd_small_cases(fm, {knob!r})
-        print("ok")
-        """
-    )
-    env = {**os.environ, "FUSED_MLP_RMS_NORM_BWD_SMALL": knob}
-    env.pop("FUSED_MLP_RMS_NORM_BWD", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, f"{knob}:\n{proc.stdout}\n{proc.stderr}"
+    re-reads the variable at every call: the cases run with "off" then "on" in one process (crossover.py's A/B);
+    "global" does the same from a first read under "on" through FUSED_MLP_KNOBS_DYNAMIC=1."""
+    modes = ("on", "off") if knob == "global" else ("off", "on")
+    knob_cases_subprocess("FUSED_MLP_RMS_NORM_BWD_SMALL", knob, "bwd_small_cases", modes, "FUSED_MLP_RMS_NORM_BWD")
 
 
 # The aligned register-row forward ("reg" family) and its knob FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy
