@@ -348,6 +348,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ms", default=None, help="comma list of row counts (M / T) for the forward ops")
     p.add_argument("--bwd-ms", default=None, help=f"comma list of row counts for rms_norm_bwd (default {BWD_M})")
     p.add_argument("--ns", default=None, help=f"comma list of N for the RMSNorm ops (default {N_ALL})")
+    p.add_argument("--is", dest="inters", default=None,
+                   help=f"comma list of I for the gated activations (default {I_QUICK} quick, {I_FULL} full)")
     add_result_args(p, "crossover.csv", plot=False)
     return p.parse_args(argv)
 
@@ -365,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (M_QUICK if args.quick else M_FULL)
     bwd_ms = tuple(int(v) for v in args.bwd_ms.split(",")) if args.bwd_ms else BWD_M
     ns = tuple(int(v) for v in args.ns.split(",")) if args.ns else N_ALL
-    i_list = I_QUICK if args.quick else I_FULL
+    i_list = tuple(int(v) for v in args.inters.split(",")) if args.inters else (I_QUICK if args.quick else I_FULL)
     default_ops = ("rms_norm", "add_rms_norm", "geglu_act", "swiglu_act", "rms_norm_bwd") if args.quick else \
         RMS_OPS + ACT_OPS + ("rms_norm_bwd",)
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(default_ops)

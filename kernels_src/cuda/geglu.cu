@@ -8,7 +8,8 @@
 // scalar path: odd I, unaligned views). Each thread keeps U packs of every input in flight per iteration
 // (fwd U = 2, bf16: 2 x (16 + 16) B = 64 B; vector bwd U = 1: 16 + 16 + 16 B, 32 + 16 + 16 with an fp32 dh).
 // The grid is sized to exactly the resident blocks (occupancy API, cached per kernel and device), so there is no
-// tail wave. Few elements (decode, up to kSmallMaxElems; FUSED_MLP_GEGLU_SMALL): one pack per thread, no loop.
+// tail wave. The forward's vector path takes one pack per thread with no loop instead (small_max_elems: every 16-bit
+// size, fp32 up to 2^21 elements; FUSED_MLP_GEGLU_SMALL).
 // 16-bit outputs take MUFU exp / reciprocal (sigmoid_and_slope) and word-wise conversions (unit_elem): with the
 // IEEE reciprocal and shift-based conversions the kernels were issue-bound -- docs/tuning-log.md#gated-act-mufu
 // Numerics (the CPU file's formulas; fp32 outputs with CUDA's accurate expf/erff):
@@ -48,11 +49,14 @@ namespace {
 //   faster -- docs/tuning-log.md#geglu-bwd-unroll
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
-// Few elements (decode, geglu_fwd_small_kernel): one pack per thread, kSmallThreads per block, taken under "auto"
-// while rows * cols <= kSmallMaxElems (T = 256 at I = 8192), launched with PDL on sm_90+: never slower than the
-// persistent kernel there -- docs/tuning-log.md#gated-act-decode (block size not swept yet: ",threads=" does).
+// One pack per thread, no loop (geglu_fwd_small_kernel, first built for decode), launched with PDL on sm_90+: taken
+// under "auto" while rows * cols <= small_max_elems -- 16-bit: every size (0.92-0.96x the persistent kernel's device
+// time at T = 1024..8192, 0.5-0.75x below); fp32: 2^21 elements (not measured above). 128 threads per block up to 2^20
+// elements, 512 above (fewer blocks: 0.70-0.76x 128's time at T = 256) -- docs/tuning-log.md#gated-act-decode
 constexpr int kSmallThreads = 128;
-constexpr int64_t kSmallMaxElems = int64_t{1} << 21;
+constexpr int kSmallThreadsWide = 512;
+constexpr int64_t kSmallWideElems = int64_t{1} << 20;
+constexpr int64_t small_max_elems(size_t elem) { return elem == 2 ? INT64_MAX : int64_t{1} << 21; }
 
 // ---- packed loads/stores ------------------------------------------------------------------------------------
 template <typename T, int N>
@@ -461,9 +465,11 @@ Tensor geglu_fwd_cuda(const Tensor& gate, const Tensor& up, StrArg activation) {
   const int device = device_index(gate);
   const SmallKnob small = geglu_small_knob();
   const int64_t elems = rows * cols;
-  const bool few = small.mode == SmallKnob::kOn || (small.mode == SmallKnob::kAuto && elems <= kSmallMaxElems);
-  const int small_threads =
-      small.value == 64 || small.value == 128 || small.value == 256 || small.value == 512 ? small.value : kSmallThreads;
+  const int64_t max_elems = small_max_elems(gate.element_size());
+  const bool few = small.mode == SmallKnob::kOn || (small.mode == SmallKnob::kAuto && elems <= max_elems);
+  const int small_threads = small.value == 64 || small.value == 128 || small.value == 256 || small.value == 512
+                                ? small.value
+                                : elems <= kSmallWideElems ? kSmallThreads : kSmallThreadsWide;
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
     dispatch_float(gate.scalar_type(), "gate", [&](auto tt) {

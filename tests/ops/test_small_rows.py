@@ -29,9 +29,11 @@ MS = [1, 2, 3, 7, 16, 63, 64, 65]
 NS = [1, 3, 128, 256, 512, 1000, 2048, 2304, 4096, 5376, 8192, 16384]
 # The launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows: rms_norm's few-rows kernel up to
 # M = 64 rows at every N it holds, and for 16-bit rows of N = 2048..8192 up to M * N = 2^21 elements; geglu.cu
-# kSmallMaxElems): the row counts on both sides are tested too.
+# small_max_elems: every 16-bit size, fp32 up to 2^21 elements, and its block size switch at 2^20): the row counts on
+# both sides are tested too.
 RMS_AUTO_MAX_ELEMS_16 = 1 << 21
-GEGLU_AUTO_MAX_ELEMS = 1 << 21
+GEGLU_AUTO_MAX_ELEMS = {2: None, 4: 1 << 21}  # by element size (None: no limit)
+GEGLU_WIDE_BLOCK_ELEMS = 1 << 20
 
 
 def rms_auto_max_rows(n: int, dtype: torch.dtype) -> int | None:
@@ -143,9 +145,10 @@ def test_rms_norm_misaligned_and_odd_stay_correct(fm):
 IS = [8, 24, 1000, 2048, 8192, 14336, 16384]
 
 
-def geglu_token_counts(i: int) -> list[int]:
-    limit = GEGLU_AUTO_MAX_ELEMS // i
-    return MS + [limit, limit + 1]
+def geglu_token_counts(i: int, dtype: torch.dtype) -> list[int]:
+    limit = GEGLU_AUTO_MAX_ELEMS[torch.empty(0, dtype=dtype).element_size()]
+    wide = GEGLU_WIDE_BLOCK_ELEMS // i
+    return MS + [wide, wide + 1] + ([limit // i, limit // i + 1] if limit else [])
 
 
 def check_act(fm, act, gate, up):
@@ -161,7 +164,7 @@ def check_act(fm, act, gate, up):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ACTS)
 def test_gated_act_shapes(fm, act, dtype, I):
-    for T in geglu_token_counts(I):
+    for T in geglu_token_counts(I, dtype):
         gate, up = inputs((T, I), dtype, "cuda", seed=T)
         check_act(fm, act, gate, up)
 
@@ -285,7 +288,13 @@ def test_path_follows_knob(fm):
     small1 = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(g1, u1)))
     small_l = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(gl, ul)))
     assert small1 == (act != "off"), (act, small1)
-    assert small_l == (act == "on"), (act, small_l)
+    assert small_l == (act != "off"), (act, small_l)  # 16-bit: one pack per thread at every size
+    for t in (256, 257):  # fp32: up to 2^21 elements
+        g, u = inputs((t, 8192), torch.float32, "cuda")
+        small = any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(g, u)))
+        assert small == (act == "on" or (act == "auto" and t * 8192 <= GEGLU_AUTO_MAX_ELEMS[4])), (act, t)
+    g, u = inputs((4, 1001), torch.bfloat16, "cuda")  # not whole 16-byte packs: the scalar persistent kernel
+    assert not any("geglu_fwd_small_kernel" in n for n in _kernel_names(lambda: fm.swiglu(g, u))), act
 
 
 @pytest.mark.parametrize("knobs", ["on", "off", "on,packs=8|on,threads=64"])
