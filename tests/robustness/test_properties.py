@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +37,10 @@ from _utils import FLOOR, assert_2x_rule, incoming_grad_dtype
 from conftest import DEVICES
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_rms_norm import run_case as rms_run_case
-from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))  # test_rms_norm, also when run alone
+from test_rms_norm import run_case as rms_run_case  # noqa: E402
+from torch import nn  # noqa: E402
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DTYPES = [F32, F16, BF16]

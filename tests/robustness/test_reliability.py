@@ -213,6 +213,7 @@ def test_layer_bad_input_matches_module_or_raises_clearly(fm, case):
 def test_import_touches_no_network():
     """Loading the package and running every op and layer works with every socket call blocked and without
     HF_HUB_OFFLINE (tests/packaging/test_loading.py's NO_NETWORK child)."""
+    sys.path.insert(0, str(ROOT / "tests" / "packaging"))  # also when this directory runs alone
     from test_loading import run_child
 
     out = run_child(
