@@ -502,7 +502,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "(CUDA; after the timed rounds; 0: none)")
     p.add_argument("--busy-top", type=int, default=6, help="log the N kernels with the most GPU time per token "
                    "(first profiled round; 0: none)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per timed call (default 48; --quick 8)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per timed call (default 48; --quick 24)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 64 (--quick 16)")
     p.add_argument("--layers", type=int, default=None, help="override the decoder layer count")
     p.add_argument("--quick", action="store_true", help="tiny 2-layer fp32 models, batch 1 and 2 (a CPU smoke run)")
@@ -535,7 +535,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any(c not in CACHES for c in args.caches) or any(q not in PROVIDERS for q in args.providers):
         p.error(f"--caches takes {CACHES}, --providers {PROVIDERS}")
     args.rounds = args.rounds or (2 if args.quick else 5)
-    args.new_tokens = args.new_tokens or (8 if args.quick else 48)
+    args.new_tokens = args.new_tokens or (24 if args.quick else 48)  # quick: 22 tokens of difference outlast CPU jitter
     if args.new_tokens < 4:
         p.error("--new-tokens must be >= 4 (ms/token is the difference of a long and a 2-token call)")
     args.prompt_len = args.prompt_len or (16 if args.quick else 64)
