@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where the few-rows (decode) kernels stop paying: CUDA-graph device time of the latency path forced on vs the
 persistent path forced off, per row count, with torch.compile of the plain definition (Inductor) as the anchor. The
-launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows, geglu.cu kSmallMaxElems) come from this.
+launchers' "auto" limits (kernels_src/cuda/rms_norm.cu small_max_rows, geglu.cu small_max_elems and its block size
+kSmallWideElems, from --configs) come from this.
 
     python benchmarks/crossover.py --quick     # M in {1, 4, 16, 64, 256, 1024}, rms_norm + add_rms_norm, geglu/swiglu
                                                # at I 8192/16384, the backward at N 2048/4096/8192 (~2.5 min)

@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         log("CUDA only: nothing to measure on this machine")
         return 0
-    # Knobs are read once per process unless FUSED_MLP_KNOBS_DYNAMIC=1 at the first read: then at every call.
+    # Knobs are read once per process unless FUSED_MLP_KNOBS_DYNAMIC=1 at the first read, or the first value starts
+    # with "dynamic" (builds before the switch, e.g. --kernel of an older Hub revision): then at every call.
     os.environ["FUSED_MLP_KNOBS_DYNAMIC"] = "1"
+    os.environ[ENV] = "dynamic"
     fm = load_kernel(args.kernel)
     ops = fm._ops.ops
     dt = DTYPES[args.dtype]
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or ROOT / "benchmarks" / "results" / device_slug(env) / "rms_norm_bwd_variants.csv"
     writer = ResultWriter(out, env, merge=True, key=lambda r: (r["op"], r["dtype"], r["shape"]),
                           mirror=out_mirror(device_slug(env), "rms_norm_bwd_variants.csv"))
+    x0 = torch.randn(64, 4096, device="cuda", dtype=dt)
+    w0 = torch.ones(4096, device="cuda", dtype=dt)
+    _, _, r0 = ops.rms_norm_fwd(x0, None, w0, 1e-6, 0.0, dt, None)
+    ops.rms_norm_bwd(x0, x0, r0, w0, None, 0.0, dt, True)  # the knob's first read: "dynamic"
     for spec in args.shapes.split(","):
         m, n = (int(v) for v in spec.lower().split("x"))
         x = torch.randn(m, n, device="cuda", dtype=dt)

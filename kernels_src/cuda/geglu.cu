@@ -51,8 +51,8 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
 // One pack per thread, no loop (geglu_fwd_small_kernel, first built for decode), launched with PDL on sm_90+: taken
 // under "auto" while rows * cols <= small_max_elems -- 16-bit: every size (0.92-0.96x the persistent kernel's device
-// time at T = 1024..8192, 0.5-0.75x below); fp32: 2^21 elements (not measured above). 128 threads per block up to 2^20
-// elements, 512 above (fewer blocks: 0.70-0.76x 128's time at T = 256) -- docs/tuning-log.md#gated-act-decode
+// time at T = 1024..8192, 0.48-0.76x below); fp32: 2^21 elements (not measured above). 128 threads per block up to 2^20
+// elements, 512 above (fewer blocks: 0.68-0.91x 128's time at T = 256) -- docs/tuning-log.md#gated-act-decode
 constexpr int kSmallThreads = 128;
 constexpr int kSmallThreadsWide = 512;
 constexpr int64_t kSmallWideElems = int64_t{1} << 20;
@@ -144,10 +144,11 @@ __global__ void __launch_bounds__(kThreads) geglu_fwd_kernel(
   }
 }
 
-// Few elements (decode): one 16-byte pack of gate and of up per thread, grid = ceil(packs / blockDim), no loop. At
-// small T * I the persistent kernel above has few blocks (2 at T = 1, I = 8192) whose threads each run kUnroll packs
-// and the row division; here every pack's latency overlaps on as many SMs as there are packs / blockDim. `flat`: the
-// rows are contiguous (or there is one), so pack p is at p * N in all three tensors.
+// One 16-byte pack of gate and of up per thread, grid = ceil(packs / blockDim), no loop (built for decode; every 16-bit
+// forward on the vector path since: small_max_elems). At small T * I the persistent kernel above has few blocks (2 at
+// T = 1, I = 8192) whose threads each run kUnroll packs and the row division; here every pack's latency overlaps on
+// as many SMs as there are packs / blockDim. `flat`: the rows are contiguous (or there is one), so pack p is at p * N
+// in all three tensors.
 template <Act A, typename T, int N>
 __global__ void __launch_bounds__(512) geglu_fwd_small_kernel(
     const T* __restrict__ gate, int64_t gate_stride,  // [rows, cols], row stride in elements
@@ -336,7 +337,8 @@ void launch_fwd(const Tensor& gate, const Tensor& up, const Tensor& out, int dev
   });
 }
 
-// FUSED_MLP_GEGLU_SMALL = auto | on | off [,threads=64|128|256|512] (common.cuh: SmallKnob), read once per process.
+// FUSED_MLP_GEGLU_SMALL = auto | on | off [,threads=64|128|256|512] (common.cuh: SmallKnob), read once per process
+// (knob_dynamic: at every call).
 SmallKnob geglu_small_knob() {
   static const SmallKnobReader reader("FUSED_MLP_GEGLU_SMALL", "threads");
   return reader.get();

@@ -1646,7 +1646,8 @@ bool small_pdl(const DeviceInfo& info) {
   return e == nullptr || e[0] != '0';
 }
 
-// FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process.
+// FUSED_MLP_RMS_NORM_SMALL = auto | on | off [,packs=1|2|4|8] (common.cuh: SmallKnob), read once per process
+// (knob_dynamic: at every call).
 SmallKnob rms_small_knob() {
   static const SmallKnobReader reader("FUSED_MLP_RMS_NORM_SMALL", "packs");
   return reader.get();

@@ -762,6 +762,14 @@ def bwd_reg_cases(fm, knob=None):
     no weight, fp32 weight, fp32 dy. Run by test_cuda_bwd_reg_knob under each knob value in a fresh process."""
     bf = torch.bfloat16
     w_of = lambda n, dt=bf: 1 + 0.25 * make((n,), dt, "cuda", seed=1)  # noqa: E731
+    if knob in ("legacy", "reg"):  # the kernel the knob names (the "dynamic" / "global" runs switch between them)
+        x, w = make((64, 4096), bf, "cuda").requires_grad_(), w_of(4096).requires_grad_()
+        y = fm.rms_norm(x, w)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y.backward(make((64, 4096), bf, "cuda", seed=5))
+            torch.cuda.synchronize()
+        names = " ".join(e.name for e in prof.events())
+        assert ("rms_norm_bwd_reg_kernel" in names) == (knob == "reg"), (knob, names)
     for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384, 16392, 32768, 65536,
                             131072)),
                       (torch.float16, (512, 4096, 8192, 24576)),
@@ -834,10 +842,11 @@ def knob_cases_subprocess(var: str, knob: str, cases: str, modes: tuple[str, str
 
 @requires_cuda
 @pytest.mark.parametrize("knob", ["auto", "reg", "reg,packs=1", "reg,packs=2,pf=0", "reg,packs=4", "reg,packs=4,cluster=2",
-                                  "reg,packs=2,cluster=8", "legacy", "dynamic"])
+                                  "reg,packs=2,cluster=8", "legacy", "dynamic", "global"])
 def test_cuda_bwd_reg_knob(knob):
     """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
-    the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup)."""
+    the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup);
+    "global" does the same from a first read under "legacy" through FUSED_MLP_KNOBS_DYNAMIC=1."""
     knob_cases_subprocess("FUSED_MLP_RMS_NORM_BWD", knob, "bwd_reg_cases", ("legacy", "reg"),
                           "FUSED_MLP_RMS_NORM_BWD_SMALL")
 

@@ -1,6 +1,7 @@
-"""Few-rows (decode-class) CUDA paths, chosen by the C++ launchers by row count: rms_norm's latency kernel
+"""Few-rows (decode-class) CUDA paths, chosen by the C++ launchers by size: rms_norm's latency kernel
 (``rms_norm_fwd_small_kernel``: one row per block, the row in registers) and the gated activations' one-pack-per-thread
-kernel (``geglu_fwd_small_kernel``), against the fp32 reference with the 2x rule.
+kernel (``geglu_fwd_small_kernel``: first built for decode, now every 16-bit forward on the vector path), against the
+fp32 reference with the 2x rule.
 
 The knobs ``FUSED_MLP_RMS_NORM_SMALL`` / ``FUSED_MLP_GEGLU_SMALL`` (auto | on | off, read once per process) pick the
 path. Every case here runs in the mode of the test process (auto unless set) and, from
@@ -173,7 +174,7 @@ def test_gated_act_shapes(fm, act, dtype, I):
 def test_gated_act_layouts(fm, act):
     """Halves of one [T, 2I] tensor (row stride 2I: the row-division path), 3-D, and a misaligned view."""
     for dtype in DTYPES:
-        for T, I in ((1, 8192), (3, 2048), (16, 14336), (65, 1000)):
+        for T, I in ((1, 8192), (3, 2048), (16, 14336), (65, 1000), (80, 16384)):  # 80 x 16384: 512-thread blocks
             both = inputs((T, 2 * I), dtype, "cuda", seed=T)[0]
             check_act(fm, act, both[:, :I], both[:, I:])
             gate, up = inputs((2, T, I), dtype, "cuda", seed=1)
