@@ -669,34 +669,27 @@ bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t 
   const int64_t row_blocks = (a.M + sc.rpb - 1) / sc.rpb;
   const int64_t dw_blocks = want_dw ? (NV + kBwdSmallColPacks - 1) / kBwdSmallColPacks : 0;
   if (row_blocks + dw_blocks > INT32_MAX) return false;
-  bool spills = false;  // measured spill-free on sm_90 only; other architectures allocate differently
-  dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) {
-    spills = kernel_spills(reinterpret_cast<const void*>(&rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>),
-                           dev);
-  });
-  if (spills) return false;
+  void (*kern)(BwdArgs) = nullptr;
+  dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) { kern = &rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>; });
+  // Measured spill-free on sm_90 only; other architectures allocate differently.
+  if (kern == nullptr || kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
   a.tpr = sc.tpr;
   a.rpb = sc.rpb;
   a.tpr_shift = sc.tpr_shift;
   a.row_blocks = static_cast<int>(row_blocks);
   a.partial = nullptr;
   a.direct_dw = want_dw;
-  bool launched = false;
-  dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) {
-    auto* kern = &rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(row_blocks + dw_blocks), 1, 1);
-    cfg.blockDim = dim3(static_cast<unsigned>(sc.threads()), 1, 1);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    if (small_pdl(info)) {
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-    }
-    FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, a));
-    launched = true;
-  });
-  return launched;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(row_blocks + dw_blocks), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(sc.threads()), 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (small_pdl(info)) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  FM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, a));
+  return true;
 }
