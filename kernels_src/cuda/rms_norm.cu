@@ -66,14 +66,16 @@
 //   row per CTA; NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
 //   256 / tpr rows when tpr is a power of two <= 128; beyond, sm_90+: clusters of C = 2/4/8 CTAs (the fewest of
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
-//   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | 2048: 8 x 32 (warp/row, 8 rows) |
-//      4096: 8 x 64 x 4 rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
+//   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | sm_90, N 1032..6144: 4 packs (2048:
+//      4 x 64 x 4 rows | 4096: 4 x 128 x 2 | 5376: 4 x 192), else 2048: 8 x 32 (warp/row, 8 rows) | 4096: 8 x 64 x 4
+//      rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
 //      32768: 8 x 512 |
 //      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
 //   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
-//     16-bit x, packs 1/2/4/8: 31/40/56/76; residual same dtype 1/2/4: 32/40/55; fp32 stream 1/2: 32/50;
-//     fp32 x 1/2/4/8: 31/32/56/64; fp32 residual 1/2/4: 32/32/62.  Smem: < 128 B static, no dynamic smem.
-//     -> 256-thread CTAs: 3 (76 regs) .. 8 resident per SM, >= 64 KB of loads in flight per SM at P = 8.
+//     bf16 x, packs 1/2/4/8: 32/40/59/87 (4 with the weight loaded with the row: 64); residual same dtype 1/2/4:
+//     32/46/68 (86); fp32 stream 1/2: 39/48 (cuobjdump of the 2026-12-04 build; stop 32 read 31/40/56/76, 32/40/55,
+//     32/50); fp32 x 1/2/4/8: 31/32/56/64; fp32 residual 1/2/4: 32/32/62.  Smem: < 128 B static, no dynamic smem.
+//     -> 256-thread CTAs: 2 (87 regs) .. 8 resident per SM, >= 64 KB of loads in flight per SM at P = 8.
 //   Every config launches: <= 512 threads x <= 128 registers fit an SM; a cluster launches only when
 //   cudaOccupancyMaxActiveClusters > 0 and a variant that spills on the running device is skipped (else rows/wide).
 // These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below; the persistent
@@ -817,7 +819,9 @@ __device__ __forceinline__ void reg_store_y(const Pack<TH, VEC> (&hv)[P], const 
   }
 }
 
-template <typename TX, typename TH, bool RES, int P>
+// WPRE (launched for 16-bit x, h of x's dtype, P = 4, a weight and y of x's dtype): the weight's packs are loaded into
+// registers with the row, before the reduction, instead of after it -- docs/tuning-log.md#rmsnorm-reg-config
+template <typename TX, typename TH, bool RES, int P, bool WPRE = false>
 __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const FwdRegArgs a) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   using XPack = Pack<TX, VEC>;
@@ -868,6 +872,13 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 #pragma unroll
       for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = has[i] ? __ldcs(src + k) : make_uint4(0u, 0u, 0u, 0u);
     }
+  }
+  XPack wpv[WPRE ? P : 1];
+  if constexpr (WPRE) {
+    const TX* wr = static_cast<const TX*>(a.w) + col;
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      wpv[i].u[0] = has[i] ? __ldg(reinterpret_cast<const uint4*>(wr + i * step)) : make_uint4(0u, 0u, 0u, 0u);
   }
 
   HPack hv[P];
@@ -922,20 +933,33 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
   if (valid) {
     if (lane == 0 && col0 == 0 && a.rstd != nullptr) a.rstd[row] = rs;
     const int64_t yo = row * static_cast<int64_t>(a.N);
-    auto out = [&](auto wtag) {
-      using TW = decltype(wtag);
-      if (a.y_f32) {
-        reg_store_y<TW, float, TH, P, VEC>(hv, has, a.w, static_cast<float*>(a.y) + yo, col, step, rs, a.offset);
-      } else {
-        reg_store_y<TW, TX, TH, P, VEC>(hv, has, a.w, static_cast<TX*>(a.y) + yo, col, step, rs, a.offset);
+    if constexpr (WPRE) {
+      TX* yr = static_cast<TX*>(a.y) + yo;
+      const float rs_off = rs * a.offset;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        if (!has[i]) continue;
+        XPack p;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(hv[i].f(j) * fmaf(wpv[i].f(j), rs, rs_off));
+        *reinterpret_cast<uint4*>(yr + col + i * step) = p.u[0];
       }
-    };
-    if (a.w == nullptr) {
-      out(NoWeight{});
-    } else if (a.w_f32) {
-      out(float{});
     } else {
-      out(TX{});
+      auto out = [&](auto wtag) {
+        using TW = decltype(wtag);
+        if (a.y_f32) {
+          reg_store_y<TW, float, TH, P, VEC>(hv, has, a.w, static_cast<float*>(a.y) + yo, col, step, rs, a.offset);
+        } else {
+          reg_store_y<TW, TX, TH, P, VEC>(hv, has, a.w, static_cast<TX*>(a.y) + yo, col, step, rs, a.offset);
+        }
+      };
+      if (a.w == nullptr) {
+        out(NoWeight{});
+      } else if (a.w_f32) {
+        out(float{});
+      } else {
+        out(TX{});
+      }
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1735,20 +1759,22 @@ void dispatch_int(int v, F&& f) {
 
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K], read once per process
-// (common.cuh knob_dynamic: at every call, so a benchmark can A/B in one process). auto: the reg
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K] [,wpre=0|1], read
+// once per process (common.cuh knob_dynamic: at every call, so a benchmark can A/B in one process). auto: the reg
 // kernels for aligned rows of whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they
 // apply, ahead of that switch; legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg
 // launch takes clusters of C CTAs (tests and sweeps; auto takes clusters only beyond one CTA's reach). packs=P (P <=
 // the dtype's maximum): every reg launch holds P packs per thread, the threads per row following (tests and tuning
 // sweeps). l2: the l2 kernel wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of
-// them per SM (at most the resident count); auto takes it on sm_90 for >= 1024 16-bit rows of 32768..65536.
+// them per SM (at most the resident count); auto takes it on sm_90 for >= 1024 16-bit rows of 32768..65536. wpre=0
+// keeps the 4-packs reg kernel's weight load after the reduction (1, the default where it applies: with the row).
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy, kL2 };
   Mode mode = kAuto;
   int cluster = 0;
   int packs = 0;  // packs per thread of the reg kernels (0: the table's)
   int ctas = 0;   // l2 kernel: CTAs per SM (0: every resident one, launch_fwd_l2)
+  int wpre = -1;  // reg kernel: 1 / 0 = weight loaded with the row or after the reduction; -1: launch_fwd_reg's choice
 };
 
 FwdKnob parse_fwd_knob(const char* e) {
@@ -1763,6 +1789,7 @@ FwdKnob parse_fwd_knob(const char* e) {
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   if (const int c = knob_value(s, "ctas", 0); c >= 1 && c <= 32) k.ctas = c;
+  if (const int v = knob_value(s, "wpre", -1); v == 0 || v == 1) k.wpre = v;
   return k;
 }
 
@@ -1910,7 +1937,7 @@ B row_kernel_args(const FwdArgs& a, int64_t nv) {
 // Launches the reg kernel for this call when it applies; false: the caller takes the rows / wide kernels.
 template <typename TX, typename TH, bool RES>
 bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, int forced_packs,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int wpre) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   constexpr int kPmax = reg_max_packs<TX, TH, RES>();
   const int64_t N = a.N, M = a.M;
@@ -1921,6 +1948,10 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   // 8192 rows 3.76 -> 3.85; 4096 rows and N = 12800 (416 threads) keep the table -- docs/tuning-log.md#rmsnorm-reg-config
   if (forced_packs == 0 && forced_cluster == 0 && !RES && sizeof(TX) == 2 && info.major == 9 && NV > 1984 &&
       NV <= 2048 && M >= 8192)
+    forced_packs = 4;
+  // 16-bit rows of 129..768 packs (N = 1032..6144) without a residual, sm_90: 4 packs (the weight loaded with the
+  // row, below) instead of the table's 8 -- docs/tuning-log.md#rmsnorm-reg-config
+  if (forced_packs == 0 && forced_cluster == 0 && !RES && sizeof(TX) == 2 && info.major == 9 && NV > 128 && NV <= 768)
     forced_packs = 4;
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
@@ -1935,6 +1966,12 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
     constexpr int P = decltype(pk)::value;
     if constexpr (P <= kPmax) {
       auto* kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P>;
+      if constexpr (sizeof(TX) == 2 && std::is_same_v<TX, TH> && P == 4) {
+        // The weight loaded with the row (a weight and y of x's dtype, one CTA per row group) unless the knob says 0
+        if (wpre != 0 && c.csize == 1 && a.w != nullptr && !a.w_f32 && !a.y_f32 &&
+            !kernel_spills(reinterpret_cast<const void*>(&rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>), dev))
+          kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>;
+      }
       if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return;  // sm_100/120 may allocate differently
       if (c.csize == 1) {
         const int64_t grid = (M + c.rpb - 1) / c.rpb;
@@ -2073,7 +2110,7 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       // Aligned rows of whole packs: the reg family (FUSED_MLP_RMS_NORM_FWD=reg: ahead of the few-rows switch).
       const bool reg_ok = fwd.mode != FwdKnob::kLegacy && a.vec_ok;
       if (reg_ok && fwd.mode == FwdKnob::kL2 && launch_fwd_l2<TX, TH, RES>(a, info, dev, fwd.ctas, stream)) return;
-      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre)) return;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
           (small.mode == SmallKnob::kOn || M <= small_max_rows(N, static_cast<int64_t>(sizeof(TX))))) {
@@ -2118,7 +2155,7 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
         return;
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
       // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
-      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre)) return;
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

@@ -1004,8 +1004,8 @@ _REG_CASES = textwrap.dedent(
 
 
 @requires_cuda
-@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "legacy", "l2",
-                                  "l2,ctas=1"])
+@pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "reg,packs=4,wpre=0",
+                                  "legacy", "l2", "l2,ctas=1"])
 def test_cuda_reg_forward_subprocess(knob):
     """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
     the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels) under
@@ -1038,7 +1038,7 @@ def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
     def packs_of(fn):
         names = [n for n in _cuda_kernel_names(fn) if "rms_norm_fwd_reg_kernel<" in n]
         assert len(names) == 1, names
-        return int(names[0].split("<", 1)[1].split(">", 1)[0].split(",")[-1])
+        return int(names[0].split("<", 1)[1].split(">", 1)[0].split(",")[3])
 
     for dtype, n, m, want in ((torch.bfloat16, 16384, 4096, 8), (torch.bfloat16, 16384, 8192, 4),
                               (torch.float16, 16384, 8192, 4), (torch.bfloat16, 15880, 8192, 4),
@@ -1049,6 +1049,40 @@ def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
         assert packs_of(lambda: fm.rms_norm(x, w, 1e-6)) == want, (dtype, m, n)
         if want == 4:
             run_case(fm, x, w, check_grads=False)
+
+
+@requires_cuda
+def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
+    """Without a knob, sm_90 holds 16-bit rows of 129..768 packs (N = 1032..6144) without a residual as 4 packs per
+    thread, and every 4-packs launch with a weight and y of x's dtype (with or without a residual of x's dtype)
+    loads the weight with the row (the kernel's last template argument); the results equal, bit for bit, those of an
+    fp32 copy of the weight (the same fp32 math, the kernel that loads the weight after the reduction) and pass the
+    2x rule."""
+    if os.environ.get("FUSED_MLP_RMS_NORM_FWD") or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD")
+
+    def reg_args(fn):
+        names = [n for n in _cuda_kernel_names(fn) if "rms_norm_fwd_reg_kernel<" in n]
+        assert len(names) == 1, names
+        return [a.strip() for a in names[0].split("<", 1)[1].split(">", 1)[0].split(",")]
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, packs in ((1024, 4), (1032, 4), (2048, 4), (2304, 4), (4096, 4), (5376, 4), (6144, 4), (6152, 8),
+                         (8192, 8)):
+            x = make((1100, n), dtype, "cuda")  # above the few-rows kernel's limit (1024 rows at N = 2048)
+            w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
+            r = make((1100, n), dtype, "cuda", seed=2)
+            args = reg_args(lambda: fm.rms_norm(x, w, 1e-6))
+            assert int(args[3]) == packs and args[4] == ("true" if packs == 4 else "false"), (dtype, n, args)
+            y = fm.rms_norm(x, w, 1e-6)
+            assert torch.equal(y, fm.rms_norm(x, w.float(), 1e-6, out_dtype=dtype)), (dtype, n)
+            assert "true" not in reg_args(lambda: fm.rms_norm(x, w.float(), 1e-6, out_dtype=dtype))
+            run_case(fm, x, w, check_grads=False)
+            y, h = fm.rms_norm(x, w, 1e-6, residual=r)
+            ya, ha = fm.rms_norm(x, w.float(), 1e-6, residual=r, out_dtype=dtype)
+            assert torch.equal(y, ya) and torch.equal(h, ha), (dtype, n)
+            args = reg_args(lambda: fm.rms_norm(x, w, 1e-6, residual=r))
+            assert args[4] == ("true" if args[3] == "4" else "false"), (dtype, n, args)
 
 
 @requires_cuda
