@@ -58,17 +58,17 @@
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global (these are
 //   the rows / wide kernels: on sm_90 the bwd reg kernel takes 16-bit rows instead).
-// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy [,cluster=C]
-// [,packs=P]: P packs per thread instead of the table's, for tuning sweeps):
+// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=C]
+// [,packs=P] [,ctas=K] [,wpre=0|1]: see FwdKnob below):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
 //   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
 //   of 256 / tpr rows (fewer while M < 32 SMs x rows); pmax 4 and NV <= 256: 1 pack, tpr = NV in whole warps, one
 //   row per CTA; NV <= 512 pmax: pmax packs, tpr = NV / pmax in whole warps,
 //   256 / tpr rows when tpr is a power of two <= 128; beyond, sm_90+: clusters of C = 2/4/8 CTAs (the fewest of
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
-//   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | sm_90, N 1032..6144: 4 packs (2048:
-//      4 x 64 x 4 rows | 4096: 4 x 128 x 2 | 5376: 4 x 192), else 2048: 8 x 32 (warp/row, 8 rows) | 4096: 8 x 64 x 4
-//      rows | 5376: 8 x 96 | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
+//   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | N 1032..6144: on sm_90 4 packs (2048:
+//      4 x 64 x 4 rows | 4096: 4 x 128 x 2 | 5376: 4 x 192), on other GPUs the table (2048: 8 x 32, warp/row, 8 rows |
+//      4096: 8 x 64 x 4 rows | 5376: 8 x 96) | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
 //      32768: 8 x 512 |
 //      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
 //   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
@@ -1789,7 +1789,8 @@ FwdKnob parse_fwd_knob(const char* e) {
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   if (const int c = knob_value(s, "ctas", 0); c >= 1 && c <= 32) k.ctas = c;
-  if (const int v = knob_value(s, "wpre", -1); v == 0 || v == 1) k.wpre = v;
+  if (const size_t at = s.find(",wpre="); at != std::string::npos && (s[at + 6] == '0' || s[at + 6] == '1'))
+    k.wpre = s[at + 6] - '0';  // only a literal 0 or 1 (atoi would read "wpre=on" as 0)
   return k;
 }
 
@@ -1949,8 +1950,8 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   if (forced_packs == 0 && forced_cluster == 0 && !RES && sizeof(TX) == 2 && info.major == 9 && NV > 1984 &&
       NV <= 2048 && M >= 8192)
     forced_packs = 4;
-  // 16-bit rows of 129..768 packs (N = 1032..6144) without a residual, sm_90: 4 packs (the weight loaded with the
-  // row, below) instead of the table's 8 -- docs/tuning-log.md#rmsnorm-reg-config
+  // 16-bit rows of 129..768 packs (N = 1032..6144) without a residual, sm_90: 4 packs (with a weight and y of x's
+  // dtype, the weight loaded with the row, below) where the table takes 8 -- docs/tuning-log.md#rmsnorm-reg-config
   if (forced_packs == 0 && forced_cluster == 0 && !RES && sizeof(TX) == 2 && info.major == 9 && NV > 128 && NV <= 768)
     forced_packs = 4;
   RegConfig c;
@@ -1967,8 +1968,9 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
     if constexpr (P <= kPmax) {
       auto* kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P>;
       if constexpr (sizeof(TX) == 2 && std::is_same_v<TX, TH> && P == 4) {
-        // The weight loaded with the row (a weight and y of x's dtype, one CTA per row group) unless the knob says 0
-        if (wpre != 0 && c.csize == 1 && a.w != nullptr && !a.w_f32 && !a.y_f32 &&
+        // The weight loaded with the row (sm_90, where it was measured; a weight and y of x's dtype, one CTA per row
+        // group) unless the knob says 0
+        if (wpre != 0 && info.major == 9 && c.csize == 1 && a.w != nullptr && !a.w_f32 && !a.y_f32 &&
             !kernel_spills(reinterpret_cast<const void*>(&rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>), dev))
           kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>;
       }

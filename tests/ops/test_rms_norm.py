@@ -992,6 +992,8 @@ _REG_CASES = textwrap.dedent(
     want_reg = knob != "legacy" and not l2
     assert ("rms_norm_fwd_reg_kernel" in names) == want_reg, names
     assert ("rms_norm_fwd_l2_kernel" in names) == l2, names
+    if "packs=4" in knob:  # the weight loaded with the row at 4 packs (sm_90) unless the knob says wpre=0
+        assert ("4, true>" in names) == (cap[0] == 9 and "wpre=0" not in knob), names
     if cap[0] >= 9:
         x = make((2, 65536), torch.bfloat16, "cuda")
         wk = make((65536,), torch.bfloat16, "cuda", seed=3)
@@ -1008,7 +1010,8 @@ _REG_CASES = textwrap.dedent(
                                   "legacy", "l2", "l2,ctas=1"])
 def test_cuda_reg_forward_subprocess(knob):
     """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
-    the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels) under
+    the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels; packs=4,
+    wpre=0: 4 packs with the weight read after the reduction, which the profiler confirms) under
     the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
     M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels, "l2" on the two-pass l2 kernel
     (one row per CTA at a time; ctas=1: one CTA per SM, looping over rows). The profiler confirms which."""
@@ -1055,11 +1058,12 @@ def test_cuda_auto_takes_four_packs_for_many_16k_rows(fm):
 def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
     """Without a knob, sm_90 holds 16-bit rows of 129..768 packs (N = 1032..6144) without a residual as 4 packs per
     thread, and every 4-packs launch with a weight and y of x's dtype (with or without a residual of x's dtype)
-    loads the weight with the row (the kernel's last template argument); the results equal, bit for bit, those of an
+    loads the weight with the row (the kernel's fifth template argument); the results equal, bit for bit, those of an
     fp32 copy of the weight (the same fp32 math, the kernel that loads the weight after the reduction) and pass the
     2x rule."""
-    if os.environ.get("FUSED_MLP_RMS_NORM_FWD") or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD")
+    if (os.environ.get("FUSED_MLP_RMS_NORM_FWD") or os.environ.get("FUSED_MLP_RMS_NORM_SMALL")
+            or torch.cuda.get_device_capability()[0] != 9):
+        pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD / _SMALL")
 
     def reg_args(fn):
         names = [n for n in _cuda_kernel_names(fn) if "rms_norm_fwd_reg_kernel<" in n]
@@ -1078,6 +1082,8 @@ def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
             assert torch.equal(y, fm.rms_norm(x, w.float(), 1e-6, out_dtype=dtype)), (dtype, n)
             assert "true" not in reg_args(lambda: fm.rms_norm(x, w.float(), 1e-6, out_dtype=dtype))
             run_case(fm, x, w, check_grads=False)
+            yg = fm.rms_norm(x, w, 1e-6, offset=1.0)  # Gemma's (1 + w)
+            assert torch.equal(yg, fm.rms_norm(x, w.float(), 1e-6, offset=1.0, out_dtype=dtype)), (dtype, n)
             y, h = fm.rms_norm(x, w, 1e-6, residual=r)
             ya, ha = fm.rms_norm(x, w.float(), 1e-6, residual=r, out_dtype=dtype)
             assert torch.equal(y, ya) and torch.equal(h, ha), (dtype, n)
