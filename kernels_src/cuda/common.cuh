@@ -193,11 +193,16 @@ void dispatch_base_or_float(ScalarType t, const char* what, F&& f) {
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Host: the ",<key>=<int>" value of a tuning knob's string (`absent` when the key is not there).
+// Host: the ",<key>=<int>" value of a tuning knob's string (`absent` when the key is not there or its value is not a
+// number: "wpre=on" must not read as 0).
 inline int knob_value(const std::string& s, const char* key, int absent) {
   const std::string pat = std::string(",") + key + "=";
   const size_t at = s.find(pat);
-  return at == std::string::npos ? absent : std::atoi(s.c_str() + at + pat.size());
+  if (at == std::string::npos) return absent;
+  const char* begin = s.c_str() + at + pat.size();
+  char* end = nullptr;
+  const long v = std::strtol(begin, &end, 10);
+  return end == begin ? absent : static_cast<int>(v);
 }
 
 // Host: whether a tuning knob whose value at its first read was `first` is re-read at every call (a getenv per call,

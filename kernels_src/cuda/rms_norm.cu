@@ -1789,8 +1789,7 @@ FwdKnob parse_fwd_knob(const char* e) {
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   if (const int c = knob_value(s, "ctas", 0); c >= 1 && c <= 32) k.ctas = c;
-  if (const size_t at = s.find(",wpre="); at != std::string::npos && (s[at + 6] == '0' || s[at + 6] == '1'))
-    k.wpre = s[at + 6] - '0';  // only a literal 0 or 1 (atoi would read "wpre=on" as 0)
+  if (const int v = knob_value(s, "wpre", -1); v == 0 || v == 1) k.wpre = v;
   return k;
 }
 
@@ -1966,15 +1965,19 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   dispatch_int<1, 2, 4, 8>(c.packs, [&](auto pk) {
     constexpr int P = decltype(pk)::value;
     if constexpr (P <= kPmax) {
-      auto* kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P>;
+      auto* const plain = &rms_norm_fwd_reg_kernel<TX, TH, RES, P>;
+      auto* kern = plain;
       if constexpr (sizeof(TX) == 2 && std::is_same_v<TX, TH> && P == 4) {
         // The weight loaded with the row (sm_90, where it was measured; a weight and y of x's dtype, one CTA per row
         // group) unless the knob says 0
-        if (wpre != 0 && info.major == 9 && c.csize == 1 && a.w != nullptr && !a.w_f32 && !a.y_f32 &&
-            !kernel_spills(reinterpret_cast<const void*>(&rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>), dev))
+        if (wpre != 0 && info.major == 9 && c.csize == 1 && a.w != nullptr && !a.w_f32 && !a.y_f32)
           kern = &rms_norm_fwd_reg_kernel<TX, TH, RES, P, true>;
       }
-      if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return;  // sm_100/120 may allocate differently
+      // A kernel that spills on this device (sm_100/120 may allocate differently): the plain one, else the caller's.
+      if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) {
+        if (kern == plain || kernel_spills(reinterpret_cast<const void*>(plain), dev)) return;
+        kern = plain;
+      }
       if (c.csize == 1) {
         const int64_t grid = (M + c.rpb - 1) / c.rpb;
         kern<<<static_cast<unsigned>(grid), c.threads(), 0, stream>>>(b);

@@ -672,7 +672,7 @@ bool launch_bwd_small(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t 
   void (*kern)(BwdArgs) = nullptr;
   dispatch_int<1, 2, 4>(sc.packs, [&](auto pk) { kern = &rms_norm_bwd_small_kernel<TX, TH, TD, decltype(pk)::value>; });
   // Measured spill-free on sm_90 only; other architectures allocate differently.
-  if (kern == nullptr || kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
+  if (kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
   a.tpr = sc.tpr;
   a.rpb = sc.rpb;
   a.tpr_shift = sc.tpr_shift;
