@@ -40,6 +40,10 @@ def main() -> int:
         (8, 131072, torch.bfloat16, None, False),  # fwd reg: a cluster of 8 CTAs (DSMEM reduction)
         (3, 262144, torch.bfloat16, None, False),  # fwd reg: cluster of 8 at 512 threads per CTA
         (5000, 2048, torch.bfloat16, torch.bfloat16, False),  # fwd reg warp-per-row; bwd reg, several rows per CTA
+        (3000, 4096, torch.bfloat16, None, False),  # fwd reg at 4 packs, the weight loaded with the row (sm_90)
+        (700, 2056, torch.float16, None, False),  # the same with a partial last pack round (257 packs)
+        (1100, 8192, torch.bfloat16, torch.bfloat16, False),  # fwd lean (sm_90: 2 packs x 512 threads), residual
+        (1030, 8192, torch.float16, None, False),  # fwd lean without a residual
         (1, 4096, torch.bfloat16, None, False),  # grid 1: direct dW
         (64, 4096, torch.bfloat16, None, False),  # small M: one row per SM, column sum
         (500, 4099, torch.bfloat16, torch.bfloat16, True),  # misaligned: per-element path everywhere

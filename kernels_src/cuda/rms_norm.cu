@@ -59,7 +59,7 @@
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global (these are
 //   the rows / wide kernels: on sm_90 the bwd reg kernel takes 16-bit rows instead).
 // Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=C]
-// [,packs=P] [,ctas=K] [,wpre=0|1]: see FwdKnob below):
+// [,packs=P] [,ctas=K] [,wpre=0|1] [,ld=0|1]: see FwdKnob below):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
 //   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
 //   of 256 / tpr rows (fewer while M < 32 SMs x rows); pmax 4 and NV <= 256: 1 pack, tpr = NV in whole warps, one
@@ -68,7 +68,8 @@
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
 //   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | N 1032..6144: on sm_90 4 packs (2048:
 //      4 x 64 x 4 rows | 4096: 4 x 128 x 2 | 5376: 4 x 192), on other GPUs the table (2048: 8 x 32, warp/row, 8 rows |
-//      4096: 8 x 64 x 4 rows | 5376: 8 x 96) | 8192: 8 x 128 x 2 | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
+//      4096: 8 x 64 x 4 rows | 5376: 8 x 96) | 8192: 8 x 128 x 2 (sm_90, M >= 1024, a weight and y of x's dtype:
+//      the lean kernel below) | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
 //      32768: 8 x 512 |
 //      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
 //   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
@@ -79,7 +80,11 @@
 //   Every config launches: <= 512 threads x <= 128 registers fit an SM; a cluster launches only when
 //   cudaOccupancyMaxActiveClusters > 0 and a variant that spills on the running device is skipped (else rows/wide).
 // These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below; the persistent
-// prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM. Conversions read 32-bit
+// prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM.
+// Lean kernel (rms_norm_fwd_lean_kernel): the reg kernel without its generality for one row class -- 16-bit rows of
+//   exactly P x T packs, one row per CTA, 32 registers at P <= 2 (4 CTAs of 512 per SM); sm_90 auto: N = 8192 as 2 x
+//   512 (M >= 1024, a weight and y of x's dtype). Row loads: evict-first below kKeepLoadsMinRows*, the default cache
+//   policy from there (reg kernel too, sm_90) -- docs/tuning-log.md#rmsnorm-lean. Conversions read 32-bit
 // words (Pack::f, one instruction per bf16 element instead of two). -- docs/tuning-log.md#rmsnorm-cuda-config
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
@@ -729,6 +734,7 @@ struct FwdRegArgs {
   float inv_n, eps, offset;
   uint32_t zero;          // 0 (see launder_pack)
   bool w_f32, y_f32;
+  bool ld_keep;           // x and residual loads with the default cache policy, not evict-first (launchers: by M)
 };
 
 constexpr int kRegMaxThreads = 512;  // __launch_bounds__: <= 128 regs, 0 spills -- docs/tuning-log.md#rmsnorm-reg-config
@@ -863,14 +869,16 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     if (has[i]) {
-      xv[i].u[0] = __ldcs(reinterpret_cast<const uint4*>(xr + i * step));
+      const uint4* src = reinterpret_cast<const uint4*>(xr + i * step);
+      xv[i].u[0] = a.ld_keep ? *src : __ldcs(src);
     } else {
       xv[i].u[0] = make_uint4(0u, 0u, 0u, 0u);
     }
     if constexpr (RES) {
       const uint4* src = reinterpret_cast<const uint4*>(rr + i * step);
 #pragma unroll
-      for (int k = 0; k < HPack::kUnits; ++k) rv[i].u[k] = has[i] ? __ldcs(src + k) : make_uint4(0u, 0u, 0u, 0u);
+      for (int k = 0; k < HPack::kUnits; ++k)
+        rv[i].u[k] = has[i] ? (a.ld_keep ? src[k] : __ldcs(src + k)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
   XPack wpv[WPRE ? P : 1];
@@ -965,6 +973,79 @@ __global__ void __launch_bounds__(kRegMaxThreads) rms_norm_fwd_reg_kernel(const 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (a.c_shift > 0) cooperative_groups::this_cluster().barrier_wait();  // no CTA leaves while its cl_part is read
 #endif
+}
+
+// ---- forward, lean rows (the "lean" kernel) -----------------------------------------------------------------------
+// 16-bit x (h of x's dtype with a residual), a weight and y of x's dtype, rows of exactly P * T packs: one row per CTA
+// of T threads, P packs per thread at compile-time offsets -- no per-pack bounds, row-group, cluster or dtype branches.
+// At 2 packs per thread the reg kernel issues 1.6x the instructions of Inductor's kernel for the same row, and holds
+// 40 registers where this one holds 32 (4 CTAs of 512 per SM) -- docs/tuning-log.md#rmsnorm-lean. The sum of squares
+// is reduced in the reg kernel's order (per-lane partials over the packs, shuffles, warps in order): the same bits as
+// rms_norm_fwd_reg_kernel<TX, TX, RES, P> at tpr = T.
+constexpr int lean_min_blocks(int P, int T) { return P <= 2 ? 2048 / T : 1024 / T; }
+
+template <typename TX, bool RES, int P, int T>
+__global__ void __launch_bounds__(T, lean_min_blocks(P, T)) rms_norm_fwd_lean_kernel(const FwdRegArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  static_assert(sizeof(TX) == 2 && XPack::kUnits == 1, "16-bit x");
+  constexpr int W = T / 32;
+  __shared__ float red[W];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t row = blockIdx.x;
+  const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const TX*>(a.x) + row * a.x_stride) + tid;
+  XPack xv[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) xv[i].u[0] = a.ld_keep ? xr[i * T] : __ldcs(xr + i * T);
+  if constexpr (RES) {
+    const uint4* rr = reinterpret_cast<const uint4*>(static_cast<const TX*>(a.res) + row * a.res_stride) + tid;
+    XPack rv[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) rv[i].u[0] = a.ld_keep ? rr[i * T] : __ldcs(rr + i * T);
+    uint4* hr = reinterpret_cast<uint4*>(static_cast<TX*>(a.h) + row * a.N) + tid;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      XPack hv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) hv.v[j] = from_float<TX>(xv[i].f(j) + rv[i].f(j));
+      xv[i] = hv;  // the residual stream's rounded h is what is normalised
+      hr[i * T] = hv.u[0];
+    }
+  }
+  float ssv[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) ssv[j] = 0.f;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float f = xv[i].f(j);
+      ssv[j] = fmaf(f, f, ssv[j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) launder_pack(xv[i], a.zero);
+  float ss = sum_vec(ssv);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((tid & 31) == 0) red[tid >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < W; ++k) ss += red[k];
+  const float rs = rsqrtf(ss * a.inv_n + a.eps);
+  if (tid == 0 && a.rstd != nullptr) a.rstd[row] = rs;
+  const float rs_off = rs * a.offset;
+  const uint4* wr = static_cast<const uint4*>(a.w) + tid;
+  uint4* yr = reinterpret_cast<uint4*>(static_cast<TX*>(a.y) + row * a.N) + tid;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    XPack wv, p;
+    wv.u[0] = __ldg(wr + i * T);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(xv[i].f(j) * fmaf(wv.f(j), rs, rs_off));
+    yr[i * T] = p.u[0];
+  }
 }
 
 // ---- forward, long aligned rows: two passes, the second from L2 (the "l2" family) ---------------------------------
@@ -1759,7 +1840,8 @@ void dispatch_int(int v, F&& f) {
 
 // ---- host: the aligned register-row forward ("reg" family) ---------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K] [,wpre=0|1], read
+// FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 | lean [,cluster=2|4|8] [,packs=1|2|4|8] [,ctas=K] [,wpre=0|1]
+// [,ld=0|1], read
 // once per process (common.cuh knob_dynamic: at every call, so a benchmark can A/B in one process). auto: the reg
 // kernels for aligned rows of whole packs, after the few-rows path's own switch; reg: the reg kernels wherever they
 // apply, ahead of that switch; legacy: the rows / wide kernels as before the reg family. cluster=C (sm_90+): every reg
@@ -1768,12 +1850,16 @@ void dispatch_int(int v, F&& f) {
 // sweeps). l2: the l2 kernel wherever it applies (aligned rows of whole packs, a weight and y of x's dtype), ctas=K of
 // them per SM (at most the resident count); auto takes it on sm_90 for >= 1024 16-bit rows of 32768..65536. wpre=0
 // keeps the 4-packs reg kernel's weight load after the reduction (1, the default where it applies: with the row).
+// lean: the lean kernel wherever it applies (packs=P: P packs per thread, N / (8 P) threads, among the instantiated
+// pairs), ahead of the few-rows switch; elsewhere as auto. ld=1 / 0: the reg and lean kernels load the row with the
+// default cache policy / evict-first at every M (auto: by M, kKeepLoadsMinRows*).
 struct FwdKnob {
-  enum Mode { kAuto, kReg, kLegacy, kL2 };
+  enum Mode { kAuto, kReg, kLegacy, kL2, kLean };
   Mode mode = kAuto;
   int cluster = 0;
   int packs = 0;  // packs per thread of the reg kernels (0: the table's)
   int ctas = 0;   // l2 kernel: CTAs per SM (0: every resident one, launch_fwd_l2)
+  int ld = -1;    // reg and lean kernels: 1 / 0 = row loads with the default cache policy / evict-first; -1: by M
   int wpre = -1;  // reg kernel: 1 / 0 = weight loaded with the row or after the reduction; -1: launch_fwd_reg's choice
 };
 
@@ -1786,10 +1872,12 @@ FwdKnob parse_fwd_knob(const char* e) {
   if (head == "reg") k.mode = FwdKnob::kReg;
   else if (head == "legacy") k.mode = FwdKnob::kLegacy;
   else if (head == "l2") k.mode = FwdKnob::kL2;
+  else if (head == "lean") k.mode = FwdKnob::kLean;
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int p = knob_value(s, "packs", 0); p == 1 || p == 2 || p == 4 || p == 8) k.packs = p;
   if (const int c = knob_value(s, "ctas", 0); c >= 1 && c <= 32) k.ctas = c;
   if (const int v = knob_value(s, "wpre", -1); v == 0 || v == 1) k.wpre = v;
+  if (const int v = knob_value(s, "ld", -1); v == 0 || v == 1) k.ld = v;
   return k;
 }
 
@@ -1934,10 +2022,47 @@ B row_kernel_args(const FwdArgs& a, int64_t nv) {
   return b;
 }
 
+// The lean kernel's row classes on sm_90 (auto): 16-bit rows of 1024 packs (N = 8192) as 2 packs x 512 threads, from
+// kLeanMinRows rows -- docs/tuning-log.md#rmsnorm-lean
+constexpr int64_t kLeanMinRows = 1024;
+// Row loads with the default cache policy instead of evict-first from these row counts (H200: +1.5-5% per call from
+// 16384 rows in the reg kernel, from 8192 in the lean one; -1..-4% at 4096) -- docs/tuning-log.md#rmsnorm-lean
+constexpr int64_t kKeepLoadsMinRowsReg = 16384;
+constexpr int64_t kKeepLoadsMinRowsLean = 8192;
+
+// Launches the lean kernel for this call when it applies (16-bit x, h of x's dtype, a weight and y of x's dtype, rows
+// of an instantiated (packs, threads) pair: the table's, or forced_packs with N / (8 forced_packs) threads); false:
+// the caller takes the reg family.
+template <typename TX, typename TH, bool RES>
+bool launch_fwd_lean(const FwdArgs& a, int dev, int forced_packs, int ld, cudaStream_t stream) {
+  if constexpr (sizeof(TX) != 2 || !std::is_same_v<TX, TH>) {
+    return false;
+  } else {
+    constexpr int VEC = 8;
+    if (a.w == nullptr || a.w_f32 || a.y_f32 || a.N % VEC != 0 || a.M > 0x7fffffff) return false;
+    const int64_t NV = a.N / VEC;
+    const int P = forced_packs > 0 ? forced_packs : NV == 1024 ? 2 : 0;
+    if (P == 0 || NV % P != 0) return false;
+    const int64_t T = NV / P;
+    void (*kern)(FwdRegArgs) = nullptr;
+    if (P == 1 && T == 512) kern = &rms_norm_fwd_lean_kernel<TX, RES, 1, 512>;
+    else if (P == 2 && T == 256) kern = &rms_norm_fwd_lean_kernel<TX, RES, 2, 256>;
+    else if (P == 2 && T == 512) kern = &rms_norm_fwd_lean_kernel<TX, RES, 2, 512>;
+    else if (P == 4 && T == 256) kern = &rms_norm_fwd_lean_kernel<TX, RES, 4, 256>;
+    else if (P == 4 && T == 512) kern = &rms_norm_fwd_lean_kernel<TX, RES, 4, 512>;
+    if (kern == nullptr || kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
+    FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);
+    b.ld_keep = ld >= 0 ? ld == 1 : a.M >= kKeepLoadsMinRowsLean;
+    kern<<<static_cast<unsigned>(a.M), static_cast<unsigned>(T), 0, stream>>>(b);
+    FM_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+}
+
 // Launches the reg kernel for this call when it applies; false: the caller takes the rows / wide kernels.
 template <typename TX, typename TH, bool RES>
 bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int forced_cluster, int forced_packs,
-                    cudaStream_t stream, int wpre) {
+                    cudaStream_t stream, int wpre, int ld) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
   constexpr int kPmax = reg_max_packs<TX, TH, RES>();
   const int64_t N = a.N, M = a.M;
@@ -1956,6 +2081,7 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
   FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);
+  b.ld_keep = ld >= 0 ? ld == 1 : info.major == 9 && M >= kKeepLoadsMinRowsReg;
   b.nvc = static_cast<int>(c.nvc);
   b.tpr = c.tpr;
   b.tpr_shift = c.tpr_shift;
@@ -2115,7 +2241,10 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       // Aligned rows of whole packs: the reg family (FUSED_MLP_RMS_NORM_FWD=reg: ahead of the few-rows switch).
       const bool reg_ok = fwd.mode != FwdKnob::kLegacy && a.vec_ok;
       if (reg_ok && fwd.mode == FwdKnob::kL2 && launch_fwd_l2<TX, TH, RES>(a, info, dev, fwd.ctas, stream)) return;
-      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kReg && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre, fwd.ld)) return;
+      if (reg_ok && fwd.mode == FwdKnob::kLean && launch_fwd_lean<TX, TH, RES>(a, dev, fwd.packs, fwd.ld, stream))
+        return;
+      const bool auto_mode = fwd.mode == FwdKnob::kAuto || fwd.mode == FwdKnob::kLean;
       // Few rows (decode): the latency-first kernel, for aligned rows of whole packs up to its N classes.
       if (small.mode != SmallKnob::kOff && a.vec_ok && N % VEC == 0 && M < (int64_t{1} << 31) &&
           (small.mode == SmallKnob::kOn || M <= small_max_rows(N, static_cast<int64_t>(sizeof(TX))))) {
@@ -2155,12 +2284,16 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       // the l2 kernel, 1.02-1.16x the reg family there (0.92x at N = 24576 and 131072). The bounds are the measured
       // ones; fewer rows (one CTA per row: idle SMs where the reg kernel splits a row over a cluster) keep reg
       // -- docs/tuning-log.md#rmsnorm-reg-config.
-      if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
+      if (reg_ok && auto_mode && info.major == 9 && sizeof(TX) == 2 && std::is_same_v<TX, TH> &&
           M >= 1024 && N >= 32768 && N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
+        return;
+      // Rows of the lean kernel's classes (sm_90, where they were measured) -- docs/tuning-log.md#rmsnorm-lean
+      if (reg_ok && auto_mode && info.major == 9 && M >= kLeanMinRows &&
+          launch_fwd_lean<TX, TH, RES>(a, dev, 0, fwd.ld, stream))
         return;
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
       // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
-      if (reg_ok && fwd.mode == FwdKnob::kAuto && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre)) return;
+      if (reg_ok && auto_mode && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre, fwd.ld)) return;
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

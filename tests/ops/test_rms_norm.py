@@ -1007,11 +1007,12 @@ _REG_CASES = textwrap.dedent(
 
 @requires_cuda
 @pytest.mark.parametrize("knob", ["reg", "reg,cluster=2", "reg,cluster=8", "reg,packs=2", "reg,packs=4,wpre=0",
-                                  "legacy", "l2", "l2,ctas=1"])
+                                  "reg,ld=1", "legacy", "l2", "l2,ctas=1"])
 def test_cuda_reg_forward_subprocess(knob):
     """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
     the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels; packs=4,
-    wpre=0: 4 packs with the weight read after the reduction, which the profiler confirms) under
+    wpre=0: 4 packs with the weight read after the reduction, which the profiler confirms; ld=1: the row loaded with
+    the default cache policy, which auto takes from 16384 rows on sm_90) under
     the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
     M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels, "l2" on the two-pass l2 kernel
     (one row per CTA at a time; ctas=1: one CTA per SM, looping over rows). The profiler confirms which."""
@@ -1071,8 +1072,7 @@ def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
         return [a.strip() for a in names[0].split("<", 1)[1].split(">", 1)[0].split(",")]
 
     for dtype in (torch.bfloat16, torch.float16):
-        for n, packs in ((1024, 4), (1032, 4), (2048, 4), (2304, 4), (4096, 4), (5376, 4), (6144, 4), (6152, 8),
-                         (8192, 8)):
+        for n, packs in ((1024, 4), (1032, 4), (2048, 4), (2304, 4), (4096, 4), (5376, 4), (6144, 4), (6152, 8)):
             x = make((1100, n), dtype, "cuda")  # above the few-rows kernel's limit (1024 rows at N = 2048)
             w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
             r = make((1100, n), dtype, "cuda", seed=2)
@@ -1089,6 +1089,112 @@ def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
             assert torch.equal(y, ya) and torch.equal(h, ha), (dtype, n)
             args = reg_args(lambda: fm.rms_norm(x, w, 1e-6, residual=r))
             assert args[4] == ("true" if args[3] == "4" else "false"), (dtype, n, args)
+
+
+_LEAN_CASES = textwrap.dedent(
+    """
+    import os, sys, torch
+    sys.path[:0] = [{tests!r}, {ops!r}]
+    import kernels
+    from test_rms_norm import run_case, make
+    fm = kernels.get_local_kernel(__import__("pathlib").Path({root!r}))
+    ops = fm._ops.ops
+
+    def names(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    def under(knob, fn):
+        os.environ["FUSED_MLP_RMS_NORM_FWD"] = "dynamic," + knob
+        try:
+            return fn()
+        finally:
+            os.environ["FUSED_MLP_RMS_NORM_FWD"] = "dynamic,auto"
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for p, t in ((1, 512), (2, 256), (2, 512), (4, 256), (4, 512)):
+            n = 8 * p * t
+            for m, strided in ((37, False), (5, True)):
+                xb = make((m, n + 8 if strided else n), dtype, "cuda")
+                x = xb[:, :n] if strided else xb
+                w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
+                r = make((m, n), dtype, "cuda", seed=2)
+                for offset in (0.0, 1.0):
+                    for res in (None, r):
+                        # the training forward (rstd stored) and the inference ops, lean against reg at the same
+                        # packs and threads per row: the same bits
+                        fwd = lambda: ops.rms_norm_fwd(x, res, w, 1e-6, offset, dtype, None if res is None else dtype)
+                        inf = lambda: (ops.rms_norm_infer(x, w, 1e-6, offset, False) if res is None
+                                       else ops.rms_norm_add_infer(x, res, w, 1e-6, offset, False))
+                        knob = f"lean,packs={{p}}"
+                        got = names(lambda: under(knob, fwd))
+                        assert f"rms_norm_fwd_lean_kernel<" in got and f"{{p}}, {{t}}>" in got, (knob, got)
+                        lean, lean_i = under(knob, fwd), under(knob, inf)
+                        reg, reg_i = under(f"reg,packs={{p}}", fwd), under(f"reg,packs={{p}}", inf)
+                        assert "rms_norm_fwd_lean_kernel" not in names(lambda: under(f"reg,packs={{p}}", fwd))
+                        for a, b in zip(lean, reg):  # y, h (or None), rstd
+                            assert (a is None and b is None) or torch.equal(a, b), (dtype, p, t, m, strided, offset)
+                        # the row loads' cache policy (ld=1: default, 0: evict-first) changes no bit, in either kernel
+                        for k in (knob, f"reg,packs={{p}}"):
+                            for a, b in zip(under(k + ",ld=1", fwd), under(k + ",ld=0", fwd)):
+                                assert (a is None and b is None) or torch.equal(a, b), (k, dtype, m, offset)
+                        for a, b in zip(lean_i if res is not None else (lean_i,), reg_i if res is not None else (reg_i,)):
+                            assert torch.equal(a, b), (dtype, p, t, m, strided, offset)
+                        under(knob, lambda: run_case(fm, x, w, offset=offset, residual=res,
+                                                     residual_dtype=None if res is None else dtype))
+    # Not the lean kernel's variants: fp32 weight or output, no weight, an fp32 stream, rows of no instantiated pair
+    x = make((64, 8192), torch.bfloat16, "cuda")
+    w = 1 + 0.25 * make((8192,), torch.bfloat16, "cuda", seed=1)
+    for fn in (lambda: fm.rms_norm(x, w.float(), 1e-6), lambda: fm.rms_norm(x, w, 1e-6, out_dtype=torch.float32),
+               lambda: fm.rms_norm(x, None, 1e-6),
+               lambda: fm.rms_norm(x, w, 1e-6, residual=x.float(), residual_dtype=torch.float32),
+               lambda: fm.rms_norm(make((64, 8200), torch.bfloat16, "cuda"), w.new_ones(8200), 1e-6)):
+        assert "rms_norm_fwd_lean_kernel" not in names(lambda: under("lean", fn))
+    print("ok")
+    """
+)
+
+
+@requires_cuda
+def test_cuda_lean_forward_subprocess():
+    """The lean forward kernel (FUSED_MLP_RMS_NORM_FWD=lean,packs=P) at each instantiated (packs, threads) pair,
+    bf16 and fp16, plain, Gemma's offset and a residual of x's dtype, contiguous and strided rows: the profiler
+    confirms the kernel, y, h and the stored rstd equal the reg kernel's at the same packs and threads per row bit for
+    bit (training forward and inference ops), the 2x rule and the gradients hold; the variants it does not cover
+    take the other kernels."""
+    code = _LEAN_CASES.format(tests=str(ROOT / "tests"), ops=str(ROOT / "tests" / "ops"), root=str(ROOT))
+    env = {**os.environ, "FUSED_MLP_RMS_NORM_FWD": "dynamic,auto"}
+    env.pop("FUSED_MLP_RMS_NORM_SMALL", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
+
+
+@requires_cuda
+def test_cuda_auto_takes_the_lean_kernel_for_8k_rows(fm):
+    """Without a knob, sm_90 takes the lean kernel for >= 1024 16-bit rows of N = 8192 with a weight and y of x's
+    dtype (with or without a residual of x's dtype), the reg family for fewer rows and for the other variants; 2x
+    rule."""
+    if (os.environ.get("FUSED_MLP_RMS_NORM_FWD") or os.environ.get("FUSED_MLP_RMS_NORM_SMALL")
+            or torch.cuda.get_device_capability()[0] != 9):
+        pytest.skip("the auto dispatch of sm_90 without FUSED_MLP_RMS_NORM_FWD / _SMALL")
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, n, want in ((1024, 8192, True), (4100, 8192, True), (8192, 8192, True), (1023, 8192, False),
+                           (4096, 4096, False), (4096, 16384, False)):
+            x = make((m, n), dtype, "cuda")
+            w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
+            r = make((m, n), dtype, "cuda", seed=2)
+            for kwargs, ok in ((dict(), want), (dict(residual=r), want), (dict(offset=1.0), want),
+                               (dict(out_dtype=torch.float32), False),
+                               (dict(residual=r.float(), residual_dtype=torch.float32), False)):
+                got = " ".join(_cuda_kernel_names(lambda: fm.rms_norm(x, w, 1e-6, **kwargs)))
+                assert ("rms_norm_fwd_lean_kernel" in got) == ok, (dtype, m, n, list(kwargs), got)
+            got = " ".join(_cuda_kernel_names(lambda: fm.rms_norm(x, w.float(), 1e-6)))
+            assert "rms_norm_fwd_lean_kernel" not in got
+            if want and m == 1024:
+                run_case(fm, x, w, check_grads=True)
+                run_case(fm, x, w, offset=1.0, residual=r, check_grads=False)
 
 
 @requires_cuda
