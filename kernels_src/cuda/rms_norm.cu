@@ -58,8 +58,8 @@
 //   N=65536: 512 threads, 1 block/SM, 128 KB prefetch; bwd N=4096: 256 threads, 2 blocks/SM, 64 KB smem, 264
 //   partial rows; N=16384: 512 threads, 1 block/SM, 128 KB smem; N=65536: wide, dW partials in global (these are
 //   the rows / wide kernels: on sm_90 the bwd reg kernel takes 16-bit rows instead).
-// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 [,cluster=C]
-// [,packs=P] [,ctas=K] [,wpre=0|1] [,ld=0|1]: see FwdKnob below):
+// Reg family (rms_norm_fwd_reg_kernel, reg_config; FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2 | lean
+// [,cluster=C] [,packs=P] [,ctas=K] [,wpre=0|1] [,ld=0|1]: see FwdKnob below):
 //   pmax = packs per thread with <= 8 loaded 16-byte units (x + residual): 8 | residual of x's dtype 4 | fp32
 //   stream under 16-bit x 2.  NV <= 32 pmax: packs = fewest powers of two filling a warp, tpr <= 32, 256-thread CTAs
 //   of 256 / tpr rows (fewer while M < 32 SMs x rows); pmax 4 and NV <= 256: 1 pack, tpr = NV in whole warps, one
@@ -68,24 +68,25 @@
 //   <= 256 threads, else 8 of <= 512), each ceil(NV / C) packs; else (sm < 90, NV > 4096 pmax) rows / wide.
 //   -> bf16, no residual: N <= 256: 1 pack, 1..32 thr/row | 512: 2 | 1024: 4 | N 1032..6144: on sm_90 4 packs (2048:
 //      4 x 64 x 4 rows | 4096: 4 x 128 x 2 | 5376: 4 x 192), on other GPUs the table (2048: 8 x 32, warp/row, 8 rows |
-//      4096: 8 x 64 x 4 rows | 5376: 8 x 96) | 8192: 8 x 128 x 2 (sm_90, M >= 1024, a weight and y of x's dtype:
-//      the lean kernel below) | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
+//      4096: 8 x 64 x 4 rows | 5376: 8 x 96) | 8192: 8 x 128 x 2 (sm_90, M >= 1024, a weight and y of x's dtype,
+//      with or without a residual of x's dtype: the lean kernel below) | 16384: 8 x 256 (sm_90, M >= 8192: 4 x 512) |
 //      32768: 8 x 512 |
 //      65536: cluster 4 x (8 x 256) | 131072: 8 x (8 x 256) | 262144: 8 x (8 x 512) | fp32 x: up to 131072.
 //   Registers (ptxas sm_90, CUDA 13.0, __launch_bounds__(512), 0 spills, docs/tuning-log.md#rmsnorm-reg-config):
-//     bf16 x, packs 1/2/4/8: 32/40/59/87 (4 with the weight loaded with the row: 64); residual same dtype 1/2/4:
-//     32/46/68 (86); fp32 stream 1/2: 39/48 (cuobjdump of the 2026-12-04 build; stop 32 read 31/40/56/76, 32/40/55,
-//     32/50); fp32 x 1/2/4/8: 31/32/56/64; fp32 residual 1/2/4: 32/32/62.  Smem: < 128 B static, no dynamic smem.
-//     -> 256-thread CTAs: 2 (87 regs) .. 8 resident per SM, >= 64 KB of loads in flight per SM at P = 8.
+//     bf16 x, packs 1/2/4/8: 31/40/56/76 (4 with the weight loaded with the row: 59); residual same dtype 1/2/4:
+//     32/40/54 (58); fp32 stream 1/2: 32/50; fp32 x 1/2/4/8: 31/30/56/64; fp32 residual 1/2/4: 31/40/54 (cuobjdump
+//     of build cd0db93606, nvcc 13.0 here; a device-side build once read 87 at 8 packs).  Smem: < 128 B static.
+//     -> 256-thread CTAs: 3 (76 regs) .. 8 resident per SM, >= 64 KB of loads in flight per SM at P = 8.
 //   Every config launches: <= 512 threads x <= 128 registers fit an SM; a cluster launches only when
 //   cudaOccupancyMaxActiveClusters > 0 and a variant that spills on the running device is skipped (else rows/wide).
 // These thresholds come from the budget arithmetic above, checked on the H200 with the knobs below; the persistent
-// prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM.
+// prefetching grid beat every variant tried. Limit today: instruction issue, not DRAM. Conversions read 32-bit
+// words (Pack::f, one instruction per bf16 element instead of two). -- docs/tuning-log.md#rmsnorm-cuda-config
 // Lean kernel (rms_norm_fwd_lean_kernel): the reg kernel without its generality for one row class -- 16-bit rows of
 //   exactly P x T packs, one row per CTA, 32 registers at P <= 2 (4 CTAs of 512 per SM); sm_90 auto: N = 8192 as 2 x
-//   512 (M >= 1024, a weight and y of x's dtype). Row loads: evict-first below kKeepLoadsMinRows*, the default cache
-//   policy from there (reg kernel too, sm_90) -- docs/tuning-log.md#rmsnorm-lean. Conversions read 32-bit
-// words (Pack::f, one instruction per bf16 element instead of two). -- docs/tuning-log.md#rmsnorm-cuda-config
+//   512 (M >= 1024, a weight and y of x's dtype, with or without a residual of x's dtype). Row loads: evict-first
+//   below kKeepLoadsMinRows*, the default cache policy from there (the reg kernel too, on sm_90)
+//   -- docs/tuning-log.md#rmsnorm-lean.
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
 #include <cooperative_groups.h>
@@ -1851,8 +1852,9 @@ void dispatch_int(int v, F&& f) {
 // them per SM (at most the resident count); auto takes it on sm_90 for >= 1024 16-bit rows of 32768..65536. wpre=0
 // keeps the 4-packs reg kernel's weight load after the reduction (1, the default where it applies: with the row).
 // lean: the lean kernel wherever it applies (packs=P: P packs per thread, N / (8 P) threads, among the instantiated
-// pairs), ahead of the few-rows switch; elsewhere as auto. ld=1 / 0: the reg and lean kernels load the row with the
-// default cache policy / evict-first at every M (auto: by M, kKeepLoadsMinRows*).
+// pairs), ahead of the few-rows switch; elsewhere as auto without packs= / cluster=. Auto's l2 and lean classes
+// ignore packs= and cluster=. ld=1 / 0: the reg and lean kernels load the row with the default cache policy /
+// evict-first at every M (auto: by M, kKeepLoadsMinRows*).
 struct FwdKnob {
   enum Mode { kAuto, kReg, kLegacy, kL2, kLean };
   Mode mode = kAuto;
@@ -2288,12 +2290,18 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
           M >= 1024 && N >= 32768 && N <= 65536 && launch_fwd_l2<TX, TH, RES>(a, info, dev, 0, stream))
         return;
       // Rows of the lean kernel's classes (sm_90, where they were measured) -- docs/tuning-log.md#rmsnorm-lean
-      if (reg_ok && auto_mode && info.major == 9 && M >= kLeanMinRows &&
+      // (lean mode tried it above with its own packs)
+      if (reg_ok && fwd.mode == FwdKnob::kAuto && info.major == 9 && M >= kLeanMinRows &&
           launch_fwd_lean<TX, TH, RES>(a, dev, 0, fwd.ld, stream))
         return;
       // The reg family for every M (the few-rows kernel above only when its knob says so); it declines rows it
-      // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below.
-      if (reg_ok && auto_mode && launch_fwd_reg<TX, TH, RES>(a, info, dev, fwd.cluster, fwd.packs, stream, fwd.wpre, fwd.ld)) return;
+      // cannot hold (sm < 90 beyond one CTA, N > 4096 * pmax packs): those take the kernels below. Lean mode's
+      // packs= are the lean kernel's, not passed on.
+      const bool lean_mode = fwd.mode == FwdKnob::kLean;
+      if (reg_ok && auto_mode &&
+          launch_fwd_reg<TX, TH, RES>(a, info, dev, lean_mode ? 0 : fwd.cluster, lean_mode ? 0 : fwd.packs, stream,
+                                      fwd.wpre, fwd.ld))
+        return;
       constexpr int kHeldUnits = Pack<TH, VEC>::kUnits;      // 16-byte units per held pack
       constexpr int kMaxIters = kHeldUnits == 1 ? 16 : 8;    // register budget (header)
       const int64_t res_unit_bytes = RES ? 16 * kHeldUnits : 0;

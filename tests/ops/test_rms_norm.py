@@ -921,8 +921,8 @@ def test_cuda_bwd_small_knob(knob):
     knob_cases_subprocess("FUSED_MLP_RMS_NORM_BWD_SMALL", knob, "bwd_small_cases", modes, "FUSED_MLP_RMS_NORM_BWD")
 
 
-# The aligned register-row forward ("reg" family) and its knob FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy
-# [,cluster=C]; each knob value runs in a fresh process (read once). Shapes sit on the config table's class edges
+# The aligned register-row forward ("reg" family) and its knob FUSED_MLP_RMS_NORM_FWD = auto | reg | legacy | l2
+# [,cluster=C] [,packs=P] [,wpre=0|1] [,ld=0|1]; each knob value runs in a fresh process (read once). Shapes sit on the config table's class edges
 # (kernels_src/cuda/rms_norm.cu, reg_config): N = VEC * NV with NV around 32 * pmax and 512 * pmax (pmax packs per
 # thread: 8 without a residual, 4 with one of x's dtype, 2 with an fp32 stream under 16-bit x) and on the cluster path.
 _REG_CASES = textwrap.dedent(
@@ -1011,8 +1011,9 @@ _REG_CASES = textwrap.dedent(
 def test_cuda_reg_forward_subprocess(knob):
     """Every class of the reg forward (packs per thread, rows per CTA, clusters of 2..8 CTAs, N up to 262144; packs=2:
     the same shapes with 2 packs per thread and the threads per row to match, or the rows / wide kernels; packs=4,
-    wpre=0: 4 packs with the weight read after the reduction, which the profiler confirms; ld=1: the row loaded with
-    the default cache policy, which auto takes from 16384 rows on sm_90) under
+    wpre=0: 4 packs with the weight read after the reduction, which the profiler confirms; ld=1: the same classes
+    with the row loaded under the default cache policy, as auto does from 16384 rows on sm_90 -- a policy that
+    changes no bit, so this checks the results under it, not that it took effect) under
     the 2x rule, incl. a residual of x's dtype and an fp32 stream, Gemma's offset, no weight, fp32 weight and output,
     M = 1 and partial CTAs; "legacy" runs the same shapes on the rows / wide kernels, "l2" on the two-pass l2 kernel
     (one row per CTA at a time; ctas=1: one CTA per SM, looping over rows). The profiler confirms which."""
@@ -1093,12 +1094,13 @@ def test_cuda_auto_loads_the_weight_with_the_row_at_four_packs(fm):
 
 _LEAN_CASES = textwrap.dedent(
     """
-    import os, sys, torch
+    import os, re, sys, torch
     sys.path[:0] = [{tests!r}, {ops!r}]
     import kernels
     from test_rms_norm import run_case, make
     fm = kernels.get_local_kernel(__import__("pathlib").Path({root!r}))
     ops = fm._ops.ops
+    sm90 = torch.cuda.get_device_capability()[0] == 9  # elsewhere a variant that spills is declined (reg kernel)
 
     def names(fn):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -1120,7 +1122,8 @@ _LEAN_CASES = textwrap.dedent(
                 xb = make((m, n + 8 if strided else n), dtype, "cuda")
                 x = xb[:, :n] if strided else xb
                 w = 1 + 0.25 * make((n,), dtype, "cuda", seed=1)
-                r = make((m, n), dtype, "cuda", seed=2)
+                rb = make((m, n + 8 if strided else n), dtype, "cuda", seed=2)
+                r = rb[:, :n] if strided else rb
                 for offset in (0.0, 1.0):
                     for res in (None, r):
                         # the training forward (rstd stored) and the inference ops, lean against reg at the same
@@ -1130,7 +1133,8 @@ _LEAN_CASES = textwrap.dedent(
                                        else ops.rms_norm_add_infer(x, res, w, 1e-6, offset, False))
                         knob = f"lean,packs={{p}}"
                         got = names(lambda: under(knob, fwd))
-                        assert f"rms_norm_fwd_lean_kernel<" in got and f"{{p}}, {{t}}>" in got, (knob, got)
+                        lean_run = re.search(rf"rms_norm_fwd_lean_kernel<[^>]*, {{p}}, {{t}}>", got) is not None
+                        assert lean_run or not sm90, (knob, got)
                         lean, lean_i = under(knob, fwd), under(knob, inf)
                         reg, reg_i = under(f"reg,packs={{p}}", fwd), under(f"reg,packs={{p}}", inf)
                         assert "rms_norm_fwd_lean_kernel" not in names(lambda: under(f"reg,packs={{p}}", fwd))
@@ -1190,8 +1194,9 @@ def test_cuda_auto_takes_the_lean_kernel_for_8k_rows(fm):
                                (dict(residual=r.float(), residual_dtype=torch.float32), False)):
                 got = " ".join(_cuda_kernel_names(lambda: fm.rms_norm(x, w, 1e-6, **kwargs)))
                 assert ("rms_norm_fwd_lean_kernel" in got) == ok, (dtype, m, n, list(kwargs), got)
+                assert ("rms_norm_fwd_reg_kernel" in got) == (not ok), (dtype, m, n, list(kwargs), got)
             got = " ".join(_cuda_kernel_names(lambda: fm.rms_norm(x, w.float(), 1e-6)))
-            assert "rms_norm_fwd_lean_kernel" not in got
+            assert "rms_norm_fwd_lean_kernel" not in got and "rms_norm_fwd_reg_kernel" in got
             if want and m == 1024:
                 run_case(fm, x, w, check_grads=True)
                 run_case(fm, x, w, offset=1.0, residual=r, check_grads=False)
