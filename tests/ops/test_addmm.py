@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import warnings
 
 import pytest
@@ -308,6 +309,27 @@ def test_backward_partial_requires_grad(fm, device):
             assert (t.grad is not None) == r
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_backward_gets_no_zero_filled_preactivation_gradient(fm, device, act, monkeypatch):
+    """The saved pre-activation z is a (non-differentiable) output of the autograd Function; with materialized
+    gradients the engine would allocate and zero-fill an [M, N] tensor for it on every backward."""
+    fn = sys.modules[fm.addmm.__module__]._AddmmFunction
+    seen = []
+    orig = fn.backward
+
+    def spy(ctx, dy, dz):
+        seen.append(dz)
+        return orig(ctx, dy, dz)
+
+    monkeypatch.setattr(fn, "backward", staticmethod(spy))
+    x, w_kn, b = _make((24, 32, 16), torch.bfloat16, device)
+    w = w_kn.t().contiguous().requires_grad_()
+    y = fm.linear(x, w, b, activation=act)
+    y.float().sum().backward()
+    assert len(seen) == 1 and seen[0] is None
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
 def test_backward_is_deterministic(fm, device):
     x, w_kn, b = _make((1000, 128, 96), torch.bfloat16, device)
     grads = []
@@ -449,9 +471,13 @@ def test_deep_stack_drift_stays_fused(fm, device):
 # ---- bad input ----------------------------------------------------------------------------------------------------
 
 
-def test_bad_input_raises_before_launch(fm, device):
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_bad_input_raises_before_launch(fm, device, grad):
+    """The documented errors, in inference and in training (where the eager fast path hands plain tensors to the
+    autograd Function first and takes the checked path for whatever its op rejects)."""
     x, w_kn, b = _make((8, 32, 16), torch.float32, device)
     w = w_kn.t().contiguous()
+    x.requires_grad_(grad)
     with pytest.raises(ValueError, match="inner dimensions differ"):
         fm.addmm(b, x, torch.randn(31, 16, device=device))
     with pytest.raises(ValueError, match="inner dimensions differ"):

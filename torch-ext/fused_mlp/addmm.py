@@ -110,6 +110,8 @@ class _AddmmFunction(torch.autograd.Function):
         y, z = _fwd(bias, mat1, mat2, activation, save_preact, out_shape)
         ctx.save_for_backward(mat1, mat2, z if activation != "none" else None)
         ctx.mark_non_differentiable(z)
+        # No zero-filled gradient for z (with an activation an [M, N] memset per backward) or for an unused y.
+        ctx.set_materialize_grads(False)
         ctx.activation = activation
         ctx.dw_transposed = dw_transposed
         ctx.has_bias = bias is not None
@@ -120,6 +122,8 @@ class _AddmmFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _dz):
+        if dy is None:  # y took no part in the loss (set_materialize_grads(False): no zeros were made for it)
+            return None, None, None, None, None, None, None
         mat1, mat2, z = ctx.saved_tensors
         need_db = ctx.has_bias and ctx.needs_input_grad[0]
         need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -181,22 +185,26 @@ def _addmm_impl(
     # checks (dims, dtypes, devices, sizes) run before anything is launched; whatever it rejects takes the full path
     # below, which converts it or raises the documented error. Same op, same arguments as the full path's inference
     # call (the op picks mat2's layout itself): docs/tuning-log.md#host-path.
+    # Eager training fast path, the same way: the autograd Function straight away (its op checks before launching;
+    # whatever it rejects takes the full path): docs/tuning-log.md#host-path-training.
     if (type(x) is _Tensor and (type(w_kn) is _Tensor or type(w_kn) is _Parameter)
             and (bias is None or type(bias) is _Tensor or type(bias) is _Parameter)
-            and not _is_compiling() and not _any_autocast()
-            and not (_grad_enabled() and (x.requires_grad or w_kn.requires_grad
-                                          or (bias is not None and bias.requires_grad)))):
+            and not _is_compiling() and not _any_autocast()):
         op_act = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
         x_dim = x.dim()
         if op_act is not None and x_dim >= 2 and w_kn.dim() == 2:
             try:
                 x2 = x if x_dim == 2 else x.flatten(0, -2)
+                out_shape = [x.shape[0], w_kn.shape[1]] if x_dim == 2 else [*x.shape[:-1], w_kn.shape[1]]
+                if _grad_enabled() and (x.requires_grad or w_kn.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+                    w2, dw_transposed = _mat2_layout(w_kn)
+                    return _AddmmFunction.apply(bias, x2, w2, op_act, op_act != "none", dw_transposed,
+                                                out_shape)[0]
                 if bias is None and op_act == "none" and x.is_cuda and _use_linear_decode(x2, w_kn):
                     y = _linear_decode_call(x2, w_kn.t())
-                    return y if x_dim == 2 else y.view(*x.shape[:-1], w_kn.shape[1])
-                if x_dim == 2:
-                    return _fwd_call(bias, x, w_kn, op_act, False, [x.shape[0], w_kn.shape[1]])[0]
-                return _fwd_call(bias, x2, w_kn, op_act, False, [*x.shape[:-1], w_kn.shape[1]])[0]
+                    return y if x_dim == 2 else y.view(out_shape)
+                return _fwd_call(bias, x2, w_kn, op_act, False, out_shape)[0]
             except _FALLBACK_ERRORS:
                 pass
     bias_name, x_name, w_name = names
