@@ -63,7 +63,8 @@
 // Workspace and handle are torch's (getCUDABlasLtWorkspace / getCurrentCUDABlasLtHandle) on the current stream; the
 // stable-ABI build, which cannot reach those, keeps one cuBLASLt handle per device (cuBLASLt handles carry no
 // stream and may be shared by threads) and takes the workspace from torch's caching allocator for each call
-// (stream-ordered, graph-capture safe) of torch's size (CUBLASLT_WORKSPACE_SIZE, default 1 MiB).
+// (stream-ordered, graph-capture safe): 1 MiB for the fused epilogues, 32 MiB for plain 16-bit GEMMs (split-K at
+// decode sizes), CUBLASLT_WORKSPACE_SIZE (KiB) for every call where set (lt_workspace_bytes).
 // Descriptors, layouts and the heuristic's algorithm are cached per (device, shape, lds, ops, dtypes, epilogue,
 // pointer alignments, workspace size) in a thread-local table; a cached call only updates the bias/aux pointers
 // and launches. Opt-in (FUSED_MLP_ADDMM_AUTOTUNE=1): large GEMMs time the heuristic's top 8 candidates once and keep
@@ -436,18 +437,25 @@ cublasLtHandle_t lt_handle([[maybe_unused]] int dev) {
 #endif
 }
 
-// Bytes of the cuBLASLt workspace: torch's own size (classic build), or the same default in the stable build
-// (CUBLASLT_WORKSPACE_SIZE in KiB, default 1024 KiB), so the heuristic sees what it sees in the classic build and
-// picks the same algorithms: a larger workspace let it pick a bf16 BIAS algorithm that does not round once
-// (docs/tuning-log.md#addmm-workspace). (The stable build does not see torch.cuda's runtime workspace setters.)
-size_t lt_workspace_bytes() {
+// Bytes of the cuBLASLt workspace: torch's own size (classic build), or in the stable build CUBLASLT_WORKSPACE_SIZE
+// (KiB) where set, else 1024 KiB (torch's cuBLASLt default) for the fused epilogues -- a larger workspace let the
+// heuristic pick a bf16 BIAS algorithm that does not round once (docs/tuning-log.md#addmm-workspace) -- and 32 MiB
+// (torch's cuBLAS workspace on sm_90) for plain 16-bit GEMMs (DEFAULT epilogue), whose split-K partials stay fp32
+// (the reduction mask in build_plan): a decode-sized GEMM with a long K (the MLP's down projection at T = 64) then
+// gets the split-K kernels torch's mm gets (docs/tuning-log.md#lt-workspace-splitk). (The stable build does not see
+// torch.cuda's runtime workspace setters.)
+constexpr size_t kPlainGemmWorkspace = size_t{32} << 20;
+
+size_t lt_workspace_bytes([[maybe_unused]] const LtGemm& g) {
 #if defined(FUSED_MLP_STABLE_ABI)
-  static const size_t bytes = [] {
+  static const long env_kib = [] {
     const char* e = std::getenv("CUBLASLT_WORKSPACE_SIZE");
-    const long kib = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
-    return static_cast<size_t>(kib > 0 ? kib : 1024) * 1024u;
+    return e != nullptr ? std::strtol(e, nullptr, 10) : 0L;
   }();
-  return bytes;
+  if (env_kib > 0) return static_cast<size_t>(env_kib) * 1024u;
+  const bool plain_16bit = g.epilogue == CUBLASLT_EPILOGUE_DEFAULT && g.bias == nullptr && g.aux == nullptr &&
+                           g.d_type != kFloat;
+  return plain_16bit ? kPlainGemmWorkspace : size_t{1024} * 1024u;
 #else
   return at::cuda::getCUDABlasLtWorkspaceSize();
 #endif
@@ -601,7 +609,7 @@ void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHand
 // Runs one GEMM through cuBLASLt on the current stream. false = cuBLASLt has no algorithm or failed (the caller
 // falls back; nothing was written that the fallback does not overwrite).
 bool lt_gemm(const LtGemm& g) {
-  const size_t workspace_bytes = lt_workspace_bytes();
+  const size_t workspace_bytes = lt_workspace_bytes(g);
   PlanKey key{};
   key[kDevice] = g.device;
   key[kAbType] = static_cast<int64_t>(g.ab_type);

@@ -154,6 +154,20 @@ def test_bias_none(fm, device, act):
     torch.testing.assert_close(out, out2, rtol=0, atol=0)
 
 
+@requires_cuda
+@pytest.mark.parametrize("shape", [(64, 16384, 2048), (33, 16384, 2048), (16, 8192, 2048), (64, 14336, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_sized_plain_gemm_rounded_once(fm, shape, dtype):
+    """The plain (bias-free, activation-free) cuBLASLt GEMM gets a workspace for split-K at decode sizes with a long
+    K; its partial sums must stay fp32 (one rounding) and be reduced in a fixed order (the same bits twice)."""
+    x, w_kn, _ = _make(shape, dtype, "cuda", bias=False)
+    op = fm._ops.ops.addmm_fwd
+    out = op(None, x, w_kn, "none", False, [shape[0], shape[2]])[0]
+    assert_rounded_once(out, None, x, w_kn, None)
+    again = op(None, x, w_kn, "none", False, [shape[0], shape[2]])[0]
+    assert torch.equal(out, again)
+
+
 def test_gelu_variants_are_the_named_functions(fm, device):
     """'gelu_tanh' is the tanh approximation, 'gelu' the exact erf GeLU (they differ by up to 4.7e-4; fp32
     resolves it)."""
