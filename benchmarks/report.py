@@ -55,7 +55,7 @@ EPI_SHAPE = {"T": ("==", 4096), "H": ("==", 2048), "I": ("==", 16384)}  # benchm
 DECODE_MODELS = (("llama3_2_1b", "Llama-3.2-1B"), ("gemma2b", "Gemma-2B"))
 GRAPH_TARGET_OPS = ("rms_norm", "add_rms_norm", "gemma_rms_norm", "geglu_act", "swiglu_act")
 TARGETS: list[dict[str, Any]] = [
-    # design/targets.md: ">= 3.9 TB/s where M*N >= 16M" (M >= 4096): smaller shapes are held to the anchor row only
+    # the project's target sheet: ">= 3.9 TB/s where M*N >= 16M" (M >= 4096); smaller shapes: the anchor row only
     dict(id="rms-fwd", device="cuda", op="rms_norm", mode="fwd",
          where={"M": (">=", 4096), "N": ("between", 2048, 65536), "MN": (">=", 16 * 2**20)},
          check="all_ge", column="gbps", threshold=3900, unit="GB/s",

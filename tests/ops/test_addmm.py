@@ -155,7 +155,8 @@ def test_bias_none(fm, device, act):
 
 
 @requires_cuda
-@pytest.mark.parametrize("shape", [(64, 16384, 2048), (33, 16384, 2048), (16, 8192, 2048), (64, 14336, 4096)])
+@pytest.mark.parametrize("shape", [(64, 16384, 2048), (33, 16384, 2048), (16, 8192, 2048), (64, 14336, 4096),
+                                   (83, 128, 3), (7, 96, 200), (1, 4096, 48)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_sized_plain_gemm_rounded_once(fm, shape, dtype):
     """The plain (bias-free, activation-free) cuBLASLt GEMM gets a workspace for split-K at decode sizes with a long
@@ -500,6 +501,9 @@ def test_bad_input_raises_before_launch(fm, device, grad):
         fm.addmm(torch.randn(15, device=device), x, w_kn)
     with pytest.raises(ValueError, match=r"bias must have shape \[16\]"):
         fm.linear(x, w, torch.randn(8, 16, device=device))  # a full [M, N] addend is not a bias
+    for bad in ((16, 1), (2, 8)):  # N elements, but not a row
+        with pytest.raises(ValueError, match=r"bias must have shape \[16\]"):
+            fm.linear(x, w, torch.randn(*bad, device=device).requires_grad_(grad))
     with pytest.raises(ValueError, match="activation must be None, 'gelu_tanh' or 'gelu'"):
         fm.addmm(b, x, w_kn, activation="relu")
     with pytest.raises(ValueError, match="activation"):

@@ -192,12 +192,15 @@ def _addmm_impl(
             and not _is_compiling() and not _any_autocast()):
         op_act = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
         x_dim = x.dim()
-        if op_act is not None and x_dim >= 2 and w_kn.dim() == 2:
+        training = _grad_enabled() and (x.requires_grad or w_kn.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+        # Training: [N] biases only (the Function flattens other bias shapes, which the full path vets first).
+        if (op_act is not None and x_dim >= 2 and w_kn.dim() == 2
+                and not (training and bias is not None and (bias.dim() != 1 or bias.shape[0] != w_kn.shape[1]))):
             try:
                 x2 = x if x_dim == 2 else x.flatten(0, -2)
                 out_shape = [x.shape[0], w_kn.shape[1]] if x_dim == 2 else [*x.shape[:-1], w_kn.shape[1]]
-                if _grad_enabled() and (x.requires_grad or w_kn.requires_grad
-                                        or (bias is not None and bias.requires_grad)):
+                if training:
                     w2, dw_transposed = _mat2_layout(w_kn)
                     return _AddmmFunction.apply(bias, x2, w2, op_act, op_act != "none", dw_transposed,
                                                 out_shape)[0]
