@@ -49,6 +49,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -179,7 +180,7 @@ def run_variant(kernelized: bool, args, device, dist) -> dict:
     return result
 
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     import torch
     import torch.distributed as dist
 
@@ -201,7 +202,11 @@ def worker(args) -> int:
     if dist.get_rank() == 0:
         args.json.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
-    return 0
+    # Leave without the interpreter's teardown, as tests/scripts/distributed_train.py does: there a gloo rank
+    # sometimes aborts after the results are written ("terminate called without an active exception", SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
