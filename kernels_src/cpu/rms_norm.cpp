@@ -95,7 +95,7 @@ RowsOf<const T> rows_of(const Tensor& t) {
 // Rows per parallel task: ~32K elements of work per task keeps the pool busy without per-row overhead.
 int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)); }
 
-// dW row chunks: a function of M only (never of the thread count), so dW is reproducible.
+// dW row chunks: a function of M and N only (never of the thread count), so dW is reproducible.
 constexpr int64_t kMaxDwChunks = 64;
 
 }  // namespace
@@ -235,8 +235,8 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
   const float* rstd_p = static_cast<const float*>(rstd.const_data_ptr());
   const bool has_extra = dh_extra.has_value();
   const bool avx2 = use_avx2();
-  // Fixed chunking (independent of the thread count) keeps dW bitwise reproducible.
-  const int64_t chunks = want_dw ? std::min<int64_t>(M, kMaxDwChunks) : 0;
+  // Fixed chunking (independent of the thread count) keeps dW bitwise reproducible; a chunk has >= the row grain.
+  const int64_t chunks = want_dw ? std::min<int64_t>(kMaxDwChunks, (M + row_grain(N) - 1) / row_grain(N)) : 0;
   const int64_t rows_per_chunk = want_dw ? (M + chunks - 1) / chunks : 0;
   std::vector<float> partial(want_dw ? chunks * N : 0, 0.f);
 
