@@ -466,7 +466,7 @@ def test_every_op_bitwise_deterministic(fm, device):
 
 def test_cpu_results_independent_of_thread_count(fm):
     """What the CPU kernels promise (kernels_src/cpu/*.cpp): rms_norm's dW is summed from a fixed number of row
-    chunks (a function of M only) and addmm's db per column in a fixed row order, so torch.set_num_threads(1) and
+    chunks (a function of M and N only) and addmm's db per column in a fixed row order, so torch.set_num_threads(1) and
     (2) give bitwise the same dW / db — and the same y, dx, h (row-parallel, no cross-row sums) and geglu results
     (elementwise). addmm's dX / dW and gated_mlp go through ATen's GEMMs / sums, which promise nothing across
     thread counts: not checked."""
