@@ -333,32 +333,38 @@ def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
         best = max(vals) if check == "all_ge" else min(vals)
         detail = f"worst at {worst[1]}" + (f"; best {_fmt_value(best[0], unit)}" if len(vals) > 1 else "")
         return Verdict(target, "met" if ok else "not met", _fmt_value(worst[0], unit), f"{detail}; {len(vals)} shapes")
-    by_shape = defaultdict(list)
+    # A row is compared with the rows of its own shape and dtype only (a CSV holds fp32 and bf16 rows of one shape).
+    by_cell = defaultdict(list)
     for r in dev_rows:
         if _ok(r):
-            by_shape[r["shape"]].append(r)
+            by_cell[(r["shape"], r.get("dtype", ""))].append(r)
+    dtypes = {r.get("dtype", "") for r in ours}
+
+    def where(r: dict[str, str]) -> str:
+        return f"{r['shape']} {r.get('dtype', '')}" if len(dtypes) > 1 else r["shape"]
+
     ratios: list[tuple[float, str, str]] = []
     for r in ours:
-        peers = by_shape[r["shape"]]
+        peers = by_cell[(r["shape"], r.get("dtype", ""))]
         if check == "vs_provider_ge":
             other = next((p for p in peers if p["provider"] == target["other"] and p.get("source") == "measured"), None)
             if other is None or fnum(other.get(col)) is None or not fnum(r.get(col)):
                 continue
             # time or memory: other / ours >= threshold (ours faster or leaner)
-            ratios.append((fnum(other[col]) / fnum(r[col]), r["shape"], target["other"]))
+            ratios.append((fnum(other[col]) / fnum(r[col]), where(r), target["other"]))
         elif check == "vs_best_ge":
             anchors = [p for p in peers if p.get("role") == "anchor" and fnum(p.get("time_p50_ms"))
                        and (p.get("source") == "measured" or target.get("recorded"))]
             if not anchors:
                 continue
             best = min(anchors, key=lambda p: fnum(p["time_p50_ms"]))
-            ratios.append((fnum(best["time_p50_ms"]) / fnum(r["time_p50_ms"]), r["shape"], best["provider"]))
+            ratios.append((fnum(best["time_p50_ms"]) / fnum(r["time_p50_ms"]), where(r), best["provider"]))
         elif check == "err_le_provider":
             other = next((p for p in peers if p["provider"] == target["other"]), None)
             if other is None or fnum(other.get("max_err")) is None or fnum(r.get("max_err")) is None:
                 continue
             e_ours, e_other = fnum(r["max_err"]), fnum(other["max_err"])
-            ratios.append((e_other - e_ours, r["shape"], f"ours {e_ours:.4g} vs {e_other:.4g}"))
+            ratios.append((e_other - e_ours, where(r), f"ours {e_ours:.4g} vs {e_other:.4g}"))
     if not ratios:
         return Verdict(target, "not measured", detail="no comparison row in the CSV")
     worst = min(ratios)

@@ -26,3 +26,23 @@ def test_a_missing_batch_fails_a_target_over_named_batches():
         assert cell, (tid, drop)
         less = report.evaluate(target, [r for r in rows if r not in cell])
         assert less.status == "not met" and "of" in less.detail and "shapes measured" in less.detail, less
+
+
+def test_a_ratio_compares_rows_of_one_dtype():
+    """A CSV holds fp32 and bf16 rows of one shape: ours in bf16 is compared with eager in bf16, never in fp32."""
+    import report
+
+    target = _target(report, "cpu-geglu")
+
+    def row(dtype, provider, ms):
+        return {"device": "cpu", "op": "geglu_act", "mode": "fwd", "threads": "2", "shape": "T=16,I=9216",
+                "dtype": dtype, "provider": provider, "source": "measured", "status": "ok", "time_p50_ms": str(ms)}
+
+    # fp32: 2.1x; bf16: 2.1x; fp32 eager over bf16 ours would read 1.05x
+    rows = [row("fp32", "eager", 2.1), row("fp32", "ours", 1.0), row("bf16", "ours", 2.0), row("bf16", "eager", 4.2)]
+    v = report.evaluate(target, rows)
+    assert v.status == "met" and v.value == "2.100x", v
+    assert "fp32" in v.detail or "bf16" in v.detail, v  # two dtypes: the worst cell names its dtype
+    rows[-1]["time_p50_ms"] = "3.0"  # bf16 now 1.5x
+    v = report.evaluate(target, rows)
+    assert v.status == "not met" and v.value == "1.500x" and "bf16" in v.detail, v
