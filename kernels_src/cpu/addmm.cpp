@@ -32,7 +32,7 @@ std::atomic<bool> g_lt_warned[2] = {false, false};
 }  // namespace
 
 int64_t addmm_lt_force_fallback(int64_t mode) {
-  FM_CHECK(mode >= 0 && mode <= 2, "fused_mlp: _addmm_lt_force_fallback mode must be 0, 1 or 2, got ", mode);
+  FM_CHECK(mode >= 0 && mode <= 3, "fused_mlp: _addmm_lt_force_fallback mode must be 0, 1, 2 or 3, got ", mode);
   for (auto& w : g_lt_warned) w.store(false);  // a fresh "warn once" for the test that sets the mode
   return g_lt_fallback_mode.exchange(static_cast<int>(mode));
 }

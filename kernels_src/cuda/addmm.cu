@@ -77,7 +77,8 @@
 // fails even there, warn once and use torch's mm on fp32 copies of the operands (bf16/fp16 values are exact in fp32,
 // and in TF32 too) followed by the same kernel. Backward GEMMs fall back to torch's mm in the input dtype (also one
 // rounding of an fp32-accumulated product). The private op _addmm_lt_force_fallback(mode) forces these paths for
-// the tests: 1 = no fused epilogue, 2 = no cuBLASLt at all.
+// the tests: 1 = no fused epilogue, 2 = no cuBLASLt at all, 3 = no cuBLASLt workspace (an algorithm without one, as
+// when the allocator has no block for it; no fallback, no warning).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -463,10 +464,12 @@ size_t lt_workspace_bytes([[maybe_unused]] const LtGemm& g) {
 
 // The workspace of one call: torch's own (classic build) or a block of torch's caching allocator held for the call
 // (stable build; stream-ordered on the current stream, so it stays valid for the asynchronous matmul). If that
-// allocation fails the workspace is empty and `size()` is 0: the caller then asks for an algorithm without one.
+// allocation fails the workspace is empty and `size()` is 0: lt_gemm then asks for an algorithm without one
+// (_addmm_lt_force_fallback mode 3 makes every workspace empty, for the tests).
 class LtWorkspace {
  public:
   explicit LtWorkspace(size_t bytes) {
+    if (addmm_lt_fallback_mode() == 3) return;
 #if defined(FUSED_MLP_STABLE_ABI)
     if (aoti_torch_cuda_caching_allocator_raw_alloc(bytes, &ptr_) == AOTI_TORCH_SUCCESS && ptr_ != nullptr) {
       size_ = bytes;
@@ -609,7 +612,10 @@ void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHand
 // Runs one GEMM through cuBLASLt on the current stream. false = cuBLASLt has no algorithm or failed (the caller
 // falls back; nothing was written that the fallback does not overwrite).
 bool lt_gemm(const LtGemm& g) {
-  const size_t workspace_bytes = lt_workspace_bytes(g);
+  // The workspace first: where the allocator has no block for it, the plan is one without workspace (its own key),
+  // not the caller's slower fallback.
+  const LtWorkspace ws(lt_workspace_bytes(g));
+  const size_t workspace = ws.size();
   PlanKey key{};
   key[kDevice] = g.device;
   key[kAbType] = static_cast<int64_t>(g.ab_type);
@@ -629,14 +635,11 @@ bool lt_gemm(const LtGemm& g) {
   key[kAlignD] = alignment_of(g.d);
   key[kAlignBias] = g.bias != nullptr ? alignment_of(g.bias) : 0;
   key[kAlignAux] = g.aux != nullptr ? alignment_of(g.aux) : 0;
-  key[kWorkspace] = static_cast<int64_t>(workspace_bytes);
+  key[kWorkspace] = static_cast<int64_t>(workspace);
 
   PlanTable& table = plan_table();
   auto it = table.find(key);
   if (it != table.end() && !it->second->ok) return false;  // cuBLASLt refused this configuration before
-  const LtWorkspace ws(workspace_bytes);
-  if (ws.size() != workspace_bytes) return false;  // no workspace to be had: the caller's fallback runs
-  const size_t workspace = ws.size();
   const cublasLtHandle_t handle = lt_handle(g.device);
   const cudaStream_t stream = g.stream;
   Plan* plan;
@@ -862,7 +865,7 @@ std::tuple<Tensor, Tensor> addmm_fwd_checked(const std::optional<Tensor>& bias_i
     } else {
       f.epilogue = bias.has_value() ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
     }
-    if (mode == 0) {
+    if (mode == 0 || mode == 3) {
       if (lt_gemm(f)) return {y_out, z};
       warn_fallback(0, "has no algorithm for this fused epilogue", f);
     } else {
@@ -877,7 +880,7 @@ std::tuple<Tensor, Tensor> addmm_fwd_checked(const std::optional<Tensor>& bias_i
   a32.d = acc.data_ptr();
   a32.d_type = kFloat;
   a32.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  bool done = mode < 2 && lt_gemm(a32);
+  bool done = mode != 2 && lt_gemm(a32);
   if (!done) {
     warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the fp32 GEMM", a32);
     fused_mlp::mm_out(acc, fused_mlp::to_dtype(mat1, kFloat), fused_mlp::to_dtype(w.t, kFloat));
@@ -1012,7 +1015,7 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
     g.m = K;
     g.n = M;
     g.k = N;
-    if (!(mode < 2 && lt_gemm(g))) {
+    if (!(mode != 2 && lt_gemm(g))) {
       warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the dX GEMM", g);
       fused_mlp::mm_out(dx, dz, fused_mlp::transposed(w.t));
     }
@@ -1047,7 +1050,7 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
       g.k = M;
       g.ldd = K;
     }
-    if (!(mode < 2 && lt_gemm(g))) {
+    if (!(mode != 2 && lt_gemm(g))) {
       warn_fallback(1, mode == 2 ? "disabled by _addmm_lt_force_fallback" : "has no algorithm for the dW GEMM", g);
       if (dw_transposed) fused_mlp::mm_out(dw, fused_mlp::transposed(dz), mat1);
       else fused_mlp::mm_out(dw, fused_mlp::transposed(mat1), dz);

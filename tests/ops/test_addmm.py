@@ -657,6 +657,39 @@ def test_cublaslt_fallback_paths(fm, mode, act, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_cublaslt_workspace_takes_an_algorithm_without_one(fm, act, dtype):
+    """Mode 3: every cuBLASLt workspace allocation comes back empty (as when the caching allocator has no block for
+    it). cuBLASLt then runs an algorithm without workspace: no fallback and no warning, the output rounded once,
+    gradients as with the workspace; a decode-size plain GEMM (the 32 MiB split-K case) too."""
+    ops = fm._ops.ops
+    x, w_kn, b = _make((300, 128, 200), dtype, "cuda")
+    w = w_kn.t().contiguous()
+    gy = torch.randn(300, 200, generator=torch.Generator().manual_seed(2)).to(device="cuda", dtype=dtype)
+    xl, wl, bl = (t.clone().requires_grad_() for t in (x, w, b))
+    fm.linear(xl, wl, bl, activation=act).backward(gy)
+    normal_grads = (xl.grad, wl.grad, bl.grad)
+    xd = torch.randn(64, 4096, device="cuda", dtype=dtype)
+    wd = torch.randn(512, 4096, device="cuda", dtype=dtype) * 4096**-0.5
+    prev = ops._addmm_lt_force_fallback(3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # neither fallback warns
+            xl, wl, bl = (t.clone().requires_grad_() for t in (x, w, b))
+            y = fm.linear(xl, wl, bl, activation=act)
+            y.backward(gy)
+            yd = fm.linear(xd, wd)
+        assert_rounded_once(y, b, x, w_kn, act, name="no workspace")
+        for got, want, what in zip((xl.grad, wl.grad, bl.grad), normal_grads, ("dx", "dw", "db")):
+            tol = (2 * UNIT[dtype] + 300 * 2.0**-24) * want.abs().max().item() + 1e-5  # order of fp32 sums
+            assert max_err(got, want) <= tol, (what, max_err(got, want), tol)
+        assert_rounded_once(yd, None, xd, wd.t(), None, name="decode-size GEMM, no workspace")
+    finally:
+        ops._addmm_lt_force_fallback(prev)
+
+
+@requires_cuda
 def test_fp32_never_uses_tf32(fm):
     """fp32 inputs use CUBLAS_COMPUTE_32F whatever torch's TF32 flag says (TF32 would break the fp32 bound)."""
     x, w_kn, b = _make((512, 1024, 512), torch.float32, "cuda")
