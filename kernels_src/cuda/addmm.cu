@@ -78,7 +78,7 @@
 // and in TF32 too) followed by the same kernel. Backward GEMMs fall back to torch's mm in the input dtype (also one
 // rounding of an fp32-accumulated product). The private op _addmm_lt_force_fallback(mode) forces these paths for
 // the tests: 1 = no fused epilogue, 2 = no cuBLASLt at all, 3 = no cuBLASLt workspace (an algorithm without one, as
-// when the allocator has no block for it; no fallback, no warning).
+// when the allocator has no block for it; the fallbacks above only where cuBLASLt has no such algorithm).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -612,10 +612,7 @@ void autotune_plan(Plan& p, const LtGemm& g, const LtWorkspace& ws, cublasLtHand
 // Runs one GEMM through cuBLASLt on the current stream. false = cuBLASLt has no algorithm or failed (the caller
 // falls back; nothing was written that the fallback does not overwrite).
 bool lt_gemm(const LtGemm& g) {
-  // The workspace first: where the allocator has no block for it, the plan is one without workspace (its own key),
-  // not the caller's slower fallback.
-  const LtWorkspace ws(lt_workspace_bytes(g));
-  const size_t workspace = ws.size();
+  const size_t workspace_bytes = lt_workspace_bytes(g);
   PlanKey key{};
   key[kDevice] = g.device;
   key[kAbType] = static_cast<int64_t>(g.ab_type);
@@ -635,11 +632,20 @@ bool lt_gemm(const LtGemm& g) {
   key[kAlignD] = alignment_of(g.d);
   key[kAlignBias] = g.bias != nullptr ? alignment_of(g.bias) : 0;
   key[kAlignAux] = g.aux != nullptr ? alignment_of(g.aux) : 0;
-  key[kWorkspace] = static_cast<int64_t>(workspace);
+  key[kWorkspace] = static_cast<int64_t>(workspace_bytes);
 
   PlanTable& table = plan_table();
   auto it = table.find(key);
   if (it != table.end() && !it->second->ok) return false;  // cuBLASLt refused this configuration before
+  // Where the allocator has no block for the workspace, the call is planned without one (a key of its own) rather
+  // than handed to the caller's slower fallback.
+  const LtWorkspace ws(workspace_bytes);
+  const size_t workspace = ws.size();
+  if (workspace != workspace_bytes) {
+    key[kWorkspace] = static_cast<int64_t>(workspace);
+    it = table.find(key);
+    if (it != table.end() && !it->second->ok) return false;
+  }
   const cublasLtHandle_t handle = lt_handle(g.device);
   const cudaStream_t stream = g.stream;
   Plan* plan;

@@ -1,5 +1,5 @@
-"""benchmarks/report.py's verdicts on the recorded decode CSV: a target over named batches (a `where` "in" filter or
-an explicit ``shapes`` count) is met only when every one of them was measured."""
+"""benchmarks/report.py's verdicts: on the recorded decode CSV, a target over named batches (a `where` "in" filter or
+an explicit ``shapes`` count) is met only when every one of them was measured; a ratio pairs rows of one dtype."""
 
 from __future__ import annotations
 

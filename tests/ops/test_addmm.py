@@ -659,10 +659,11 @@ def test_cublaslt_fallback_paths(fm, mode, act, dtype):
 @requires_cuda
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_no_cublaslt_workspace_takes_an_algorithm_without_one(fm, act, dtype):
+def test_no_cublaslt_workspace_takes_an_algorithm_without_one(fm, monkeypatch, act, dtype):
     """Mode 3: every cuBLASLt workspace allocation comes back empty (as when the caching allocator has no block for
     it). cuBLASLt then runs an algorithm without workspace: no fallback and no warning, the output rounded once,
-    gradients as with the workspace; a decode-size plain GEMM (the 32 MiB split-K case) too."""
+    gradients as with the workspace; a decode-size plain GEMM (in bf16 the 32 MiB split-K case) too."""
+    monkeypatch.setenv("FUSED_MLP_LINEAR_DECODE", "off")  # the 64-token GEMM through cuBLASLt, not linear_decode
     ops = fm._ops.ops
     x, w_kn, b = _make((300, 128, 200), dtype, "cuda")
     w = w_kn.t().contiguous()
