@@ -292,6 +292,7 @@ class Verdict:
     status: str                  # "met" | "not met" | "not measured"
     value: str = ""
     detail: str = ""
+    runs: str = ""               # when and from which commit our rows behind the verdict were measured
 
 
 def _fmt_value(v: float, unit: str) -> str:
@@ -313,7 +314,28 @@ def _ok(r: dict[str, str]) -> bool:
     return r.get("status") == "ok" or (not r.get("status") and r.get("verified") == "true")
 
 
+def _runs(rows: list[dict[str, str]]) -> str:
+    """`<date> <rev>` of the run the rows come from, or the span of dates when they come from several runs."""
+    runs = sorted({(r.get("date_utc", "")[:10], r.get("git_rev", "")) for r in rows})
+    if not runs:
+        return ""
+    if len(runs) == 1:
+        return " ".join(x for x in runs[0] if x)
+    return f"{runs[0][0]}..{runs[-1][0]} ({len(runs)} runs)"
+
+
 def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
+    v = _evaluate(target, rows)
+    if v.status != "not measured":
+        prov = target.get("provider", "ours")
+        v.runs = _runs([r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
+                        and r.get("mode") == target["mode"] and _matches(r, target["where"])
+                        and ("threads" not in target or r.get("threads") == str(target["threads"]))
+                        and r.get("provider") == prov and r.get("source") == "measured" and _ok(r)])
+    return v
+
+
+def _evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
     dev_rows = [r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
                 and r.get("mode") == target["mode"] and _matches(r, target["where"])
                 and ("threads" not in target or r.get("threads") == str(target["threads"]))]
@@ -578,10 +600,10 @@ def render(rows: list[dict[str, str]], *, max_shapes: int | None, tables: bool =
     met = sum(v.status == "met" for v in verdicts)
     measured = sum(v.status != "not measured" for v in verdicts)
     lines += [f"### Targets ({met} met of {measured} measured; {len(verdicts)} in all)", "",
-              "| target | id | status | measured | where |", "|---|---|---|---|---|"]
+              "| target | id | status | measured | where | run (ours) |", "|---|---|---|---|---|---|"]
     for v in verdicts:
         ref = f"[{v.target['id']}]({targets_link}#{slug(v.target['group'])})"
-        lines.append(f"| {v.target['text']} | {ref} | {ICON[v.status]} | {v.value} | {v.detail} |")
+        lines.append(f"| {v.target['text']} | {ref} | {ICON[v.status]} | {v.value} | {v.detail} | {v.runs} |")
     summary = summary_table(rows)
     if summary:
         lines += ["", "### Summary", ""] + summary

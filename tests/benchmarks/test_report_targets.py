@@ -46,3 +46,21 @@ def test_a_ratio_compares_rows_of_one_dtype():
     rows[-1]["time_p50_ms"] = "3.0"  # bf16 now 1.5x
     v = report.evaluate(target, rows)
     assert v.status == "not met" and v.value == "1.500x" and "bf16" in v.detail, v
+
+
+def test_a_verdict_names_the_runs_behind_it():
+    """The targets table says when, and from which commit, our rows were measured: stale rows show."""
+    import report
+
+    target = _target(report, "cpu-geglu")
+
+    def row(provider, ms, date, rev):
+        return {"device": "cpu", "op": "geglu_act", "mode": "fwd", "threads": "2", "shape": "T=16,I=9216",
+                "dtype": "bf16", "provider": provider, "source": "measured", "status": "ok", "time_p50_ms": str(ms),
+                "date_utc": date, "git_rev": rev}
+
+    rows = [row("ours", 1.0, "2026-12-02T18:00:55Z", "ce9b1c9"), row("eager", 2.5, "2026-12-02T18:00:55Z", "ce9b1c9")]
+    assert report.evaluate(target, rows).runs == "2026-12-02 ce9b1c9"
+    rows.append(dict(row("ours", 1.0, "2026-12-04T01:00:00Z", "a29987d"), shape="T=512,I=9216"))
+    rows.append(dict(row("eager", 2.5, "2026-12-04T01:00:00Z", "a29987d"), shape="T=512,I=9216"))
+    assert report.evaluate(target, rows).runs == "2026-12-02..2026-12-04 (2 runs)"
