@@ -314,6 +314,15 @@ def _ok(r: dict[str, str]) -> bool:
     return r.get("status") == "ok" or (not r.get("status") and r.get("verified") == "true")
 
 
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def _dtype(r: dict[str, str]) -> str:
+    """The row's dtype in one spelling (some CSVs write ``bfloat16``, most ``bf16``); "" when it has none."""
+    d = (r.get("dtype") or "").removeprefix("torch.")
+    return _DTYPE_NAMES.get(d, d)
+
+
 def _runs(rows: list[dict[str, str]]) -> str:
     """`<date> <rev>` of the run the rows come from, or the span of dates when they come from several runs."""
     runs = sorted({(r.get("date_utc", "")[:10], r.get("git_rev", "")) for r in rows})
@@ -359,15 +368,15 @@ def _evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
     by_cell = defaultdict(list)
     for r in dev_rows:
         if _ok(r):
-            by_cell[(r["shape"], r.get("dtype", ""))].append(r)
-    dtypes = {r.get("dtype", "") for r in ours}
+            by_cell[(r["shape"], _dtype(r))].append(r)
+    dtypes = {_dtype(r) for r in ours}
 
     def where(r: dict[str, str]) -> str:
-        return f"{r['shape']} {r.get('dtype', '')}" if len(dtypes) > 1 else r["shape"]
+        return f"{r['shape']} {_dtype(r)}" if len(dtypes) > 1 else r["shape"]
 
     ratios: list[tuple[float, str, str]] = []
     for r in ours:
-        peers = by_cell[(r["shape"], r.get("dtype", ""))]
+        peers = by_cell[(r["shape"], _dtype(r))]
         if check == "vs_provider_ge":
             other = next((p for p in peers if p["provider"] == target["other"] and p.get("source") == "measured"), None)
             if other is None or fnum(other.get(col)) is None or not fnum(r.get(col)):

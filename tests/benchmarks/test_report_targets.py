@@ -46,6 +46,9 @@ def test_a_ratio_compares_rows_of_one_dtype():
     rows[-1]["time_p50_ms"] = "3.0"  # bf16 now 1.5x
     v = report.evaluate(target, rows)
     assert v.status == "not met" and v.value == "1.500x" and "bf16" in v.detail, v
+    rows[-1]["dtype"] = "bfloat16"  # one CSV's spelling of the same dtype: still the bf16 cell's anchor
+    v = report.evaluate(target, rows)
+    assert v.status == "not met" and v.value == "1.500x", v
 
 
 def test_a_verdict_names_the_runs_behind_it():
