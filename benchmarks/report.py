@@ -334,22 +334,18 @@ def _runs(rows: list[dict[str, str]]) -> str:
 
 
 def evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
-    v = _evaluate(target, rows)
-    if v.status != "not measured":
-        prov = target.get("provider", "ours")
-        v.runs = _runs([r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
-                        and r.get("mode") == target["mode"] and _matches(r, target["where"])
-                        and ("threads" not in target or r.get("threads") == str(target["threads"]))
-                        and r.get("provider") == prov and r.get("source") == "measured" and _ok(r)])
-    return v
-
-
-def _evaluate(target: dict[str, Any], rows: list[dict[str, str]]) -> Verdict:
     dev_rows = [r for r in rows if r.get("device") == target["device"] and r.get("op") == target["op"]
                 and r.get("mode") == target["mode"] and _matches(r, target["where"])
                 and ("threads" not in target or r.get("threads") == str(target["threads"]))]
     prov = target.get("provider", "ours")
     ours = [r for r in dev_rows if r.get("provider") == prov and r.get("source") == "measured" and _ok(r)]
+    v = _evaluate(target, dev_rows, ours)
+    if v.status != "not measured":
+        v.runs = _runs(ours)
+    return v
+
+
+def _evaluate(target: dict[str, Any], dev_rows: list[dict[str, str]], ours: list[dict[str, str]]) -> Verdict:
     if not ours:
         return Verdict(target, "not measured")
     check = target["check"]
