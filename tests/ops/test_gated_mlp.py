@@ -346,6 +346,82 @@ def test_retain_graph_backward_twice(fm, device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _fake_slopes_kernels(fm, monkeypatch, made: list):
+    """The slopes form on any device: gated_mlp.py's two sm_90 ops replaced by their plain definitions (the other ops
+    stay the package's), and `_epilogue.use_slopes` saying yes. Every h the forward makes is appended to `made`
+    (a weak reference)."""
+    import sys
+    import weakref
+
+    mod = sys.modules[fm.__name__ + ".gated_mlp"]
+    real = mod.ops
+
+    def fwd_slopes(x, w_gate, w_up, activation):
+        z = F.linear(x.float(), w_gate.float()).requires_grad_()
+        with torch.enable_grad():
+            a = fm.gated_mlp_reference.__globals__["activation_fn"](activation)(z)
+            da = torch.autograd.grad(a.sum(), z)[0]
+        u = F.linear(x.float(), w_up.float())
+        h = (a.detach() * u).to(x.dtype)
+        made.append(weakref.ref(h))
+        return h, (u * da).to(x.dtype), a.detach().to(x.dtype)
+
+    def bwd_slopes_(dy, w_down, p, q):
+        dh = dy.float() @ w_down.float()
+        p.copy_(dh * p.float())
+        q.copy_(dh * q.float())
+
+    class Ops:
+        gated_gemm_fwd_slopes = staticmethod(fwd_slopes)
+        gated_gemm_bwd_slopes_ = staticmethod(bwd_slopes_)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(mod, "ops", Ops())
+    monkeypatch.setattr(sys.modules[fm.__name__ + "._epilogue"], "use_slopes", lambda *a, **k: True)
+
+
+def test_slopes_backward_frees_h_before_the_input_weight_grads(fm, monkeypatch):
+    """Where both passes run the GEMM-epilogue kernels (sm_90), the forward keeps h for dW_down only: eager backward
+    frees it before dW_gate and dW_up are allocated (the backward's peak: one [T, I] less), and keeps it when the
+    graph is retained. On the CPU with the two kernels replaced by their plain definitions."""
+    made, at_dw = [], []
+    _fake_slopes_kernels(fm, monkeypatch, made)
+    torch.manual_seed(11)
+    dt = torch.float32
+    x = torch.randn(24, H, dtype=dt, requires_grad=True)
+    w = [(torch.randn(I, H, dtype=dt) * 0.1).requires_grad_(), (torch.randn(I, H, dtype=dt) * 0.1).requires_grad_(),
+         (torch.randn(H, I, dtype=dt) * 0.1).requires_grad_()]
+    real_mm = torch.mm
+
+    def mm(a, b, *args, **kwargs):  # dW_gate / dW_up: torch.mm(dgate.t(), x) and torch.mm(dup.t(), x)
+        if b.data_ptr() == x.data_ptr() and a.shape[0] == I:
+            at_dw.append(made[-1]() is None)
+        return real_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    dy = torch.randn(24, H, dtype=dt)
+    x2 = x.detach().clone().requires_grad_()
+    w2 = [t.detach().clone().requires_grad_() for t in w]
+    expect = torch.autograd.grad(fm.gated_mlp_reference(x2, *w2), [x2, *w2], dy)
+    for retain in (False, True):
+        at_dw.clear()
+        y = fm.gated_mlp(x, *w)
+        assert len(made) >= 1 and made[-1]() is not None, "the slopes form did not run"
+        got = torch.autograd.grad(y, [x, *w], dy, retain_graph=retain)
+        if retain:  # the graph is kept: h stays for a second backward, which gives the same gradients
+            assert at_dw == [False, False]
+            again = torch.autograd.grad(y, [x, *w], dy)
+            for a, b in zip(got, again):
+                assert torch.equal(a, b)
+        else:
+            assert at_dw == [True, True], "h was still alive when dW_gate / dW_up were computed"
+        for a, b in zip(got, expect):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        del y, got
+
+
 def test_checkpointing_and_frozen_parts(fm, device):
     from torch.utils.checkpoint import checkpoint
 

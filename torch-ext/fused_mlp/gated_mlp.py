@@ -80,6 +80,12 @@ class _GatedMLPFunction(torch.autograd.Function):
             h = ops.geglu_fwd(gate, up, activation)
         y = F.linear(h, w_down, b_down)
         # Unless it is the slopes form, h is dropped here; backward rebuilds it (from gate, up) inside dh's buffer.
+        ctx.h = None
+        if h_saved is not None and not torch.compiler.is_compiling():
+            # Eager: the slopes form's h rides on ctx, so that backward can free it once dW_down is done (a saved
+            # tensor lives until backward returns: [T, I] off the backward's peak, which comes with dW_gate / dW_up).
+            # h is this Function's own intermediate (no autograd history): ctx -> h makes no reference cycle.
+            ctx.h, h_saved = h_saved, None
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
@@ -93,7 +99,12 @@ class _GatedMLPFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
-        if not torch.compiler.is_compiling() and _keep_graph():
+        keep = not torch.compiler.is_compiling() and _keep_graph()
+        if ctx.h is not None:  # eager slopes form: the only reference to h from here on is this frame's
+            h = ctx.h
+            if not keep:
+                ctx.h = None
+        if keep:
             # retain_graph=True: this backward may run again, so the saved gate/up (P/Q) must survive it; work on
             # copies (rare path). Under torch.compile the saved activations are donated to the backward graph
             # (AOTAutograd refuses retain_graph there), so the in-place form is always right.
