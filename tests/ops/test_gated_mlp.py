@@ -346,12 +346,10 @@ def test_retain_graph_backward_twice(fm, device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _fake_slopes_kernels(fm, monkeypatch, made: list):
+def _fake_slopes_kernels(fm, monkeypatch):
     """The slopes form on any device: gated_mlp.py's two sm_90 ops replaced by their plain definitions (the other ops
-    stay the package's), and `_epilogue.use_slopes` saying yes. Every h the forward makes is appended to `made`
-    (a weak reference)."""
+    stay the package's), and `_epilogue.use_slopes` saying yes."""
     import sys
-    import weakref
 
     mod = sys.modules[fm.__name__ + ".gated_mlp"]
     real = mod.ops
@@ -362,9 +360,7 @@ def _fake_slopes_kernels(fm, monkeypatch, made: list):
             a = fm.gated_mlp_reference.__globals__["activation_fn"](activation)(z)
             da = torch.autograd.grad(a.sum(), z)[0]
         u = F.linear(x.float(), w_up.float())
-        h = (a.detach() * u).to(x.dtype)
-        made.append(weakref.ref(h))
-        return h, (u * da).to(x.dtype), a.detach().to(x.dtype)
+        return (a.detach() * u).to(x.dtype), (u * da).to(x.dtype), a.detach().to(x.dtype)
 
     def bwd_slopes_(dy, w_down, p, q):
         dh = dy.float() @ w_down.float()
@@ -382,44 +378,60 @@ def _fake_slopes_kernels(fm, monkeypatch, made: list):
     monkeypatch.setattr(sys.modules[fm.__name__ + "._epilogue"], "use_slopes", lambda *a, **k: True)
 
 
-def test_slopes_backward_frees_h_before_the_input_weight_grads(fm, monkeypatch):
-    """Where both passes run the GEMM-epilogue kernels (sm_90), the forward keeps h for dW_down only: eager backward
-    frees it before dW_gate and dW_up are allocated (the backward's peak: one [T, I] less), and keeps it when the
-    graph is retained. On the CPU with the two kernels replaced by their plain definitions."""
-    made, at_dw = [], []
-    _fake_slopes_kernels(fm, monkeypatch, made)
+@pytest.mark.parametrize("mode", ["plain", "retain_graph", "save_on_cpu", "checkpoint", "checkpoint_reentrant"])
+def test_slopes_backward_frees_h_before_the_input_weight_grads(fm, monkeypatch, mode):
+    """Where both passes run the GEMM-epilogue kernels (sm_90), the forward saves h for dW_down only: eager backward
+    gives h's memory back before dW_gate and dW_up are allocated (the backward's peak: one [T, I] less). Not when the
+    graph is retained (a second backward reads h), nor under saved-tensor hooks (offloading, non-reentrant
+    checkpointing: h is theirs); the gradients are right in every mode. On the CPU, with the two kernels replaced by
+    their plain definitions."""
+    from torch.utils.checkpoint import checkpoint
+
+    _fake_slopes_kernels(fm, monkeypatch)
     torch.manual_seed(11)
-    dt = torch.float32
-    x = torch.randn(24, H, dtype=dt, requires_grad=True)
+    t, dt = 24, torch.float32
+    x = torch.randn(t, H, dtype=dt, requires_grad=True)
     w = [(torch.randn(I, H, dtype=dt) * 0.1).requires_grad_(), (torch.randn(I, H, dtype=dt) * 0.1).requires_grad_(),
          (torch.randn(H, I, dtype=dt) * 0.1).requires_grad_()]
+    seen_h, h_bytes_at_dw = [], []
     real_mm = torch.mm
 
-    def mm(a, b, *args, **kwargs):  # dW_gate / dW_up: torch.mm(dgate.t(), x) and torch.mm(dup.t(), x)
-        if b.data_ptr() == x.data_ptr() and a.shape[0] == I:
-            at_dw.append(made[-1]() is None)
+    def mm(a, b, *args, **kwargs):
+        if a.shape == (H, t) and b.shape == (t, I):  # dW_down = dy^T h
+            seen_h.append(b)
+        elif a.shape == (I, t) and b.shape == (t, H):  # dW_gate, dW_up = dgate^T x, dup^T x
+            h_bytes_at_dw.append(seen_h[-1].untyped_storage().nbytes())
         return real_mm(a, b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "mm", mm)
-    dy = torch.randn(24, H, dtype=dt)
+    dy = torch.randn(t, H, dtype=dt)
     x2 = x.detach().clone().requires_grad_()
-    w2 = [t.detach().clone().requires_grad_() for t in w]
+    w2 = [p.detach().clone().requires_grad_() for p in w]
     expect = torch.autograd.grad(fm.gated_mlp_reference(x2, *w2), [x2, *w2], dy)
-    for retain in (False, True):
-        at_dw.clear()
+    if mode == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            y = fm.gated_mlp(x, *w)
+    elif mode.startswith("checkpoint"):
+        y = checkpoint(fm.gated_mlp, x, *w, use_reentrant=mode == "checkpoint_reentrant")
+    else:
         y = fm.gated_mlp(x, *w)
-        assert len(made) >= 1 and made[-1]() is not None, "the slopes form did not run"
-        got = torch.autograd.grad(y, [x, *w], dy, retain_graph=retain)
-        if retain:  # the graph is kept: h stays for a second backward, which gives the same gradients
-            assert at_dw == [False, False]
-            again = torch.autograd.grad(y, [x, *w], dy)
-            for a, b in zip(got, again):
-                assert torch.equal(a, b)
-        else:
-            assert at_dw == [True, True], "h was still alive when dW_gate / dW_up were computed"
-        for a, b in zip(got, expect):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        del y, got
+    def backward():  # .backward, not autograd.grad: the reentrant checkpoint refuses the latter
+        for p in (x, *w):
+            p.grad = None
+        y.backward(dy, retain_graph=mode == "retain_graph")
+        return [p.grad for p in (x, *w)]
+
+    got = backward()
+    for a, b in zip(got, expect):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    full = t * I * x.element_size()
+    # the reentrant checkpoint recomputes the forward without hooks, inside its own backward: h is the Function's
+    freed = mode in ("plain", "checkpoint_reentrant")
+    assert h_bytes_at_dw == ([0, 0] if freed else [full, full]), h_bytes_at_dw
+    if mode == "retain_graph":  # a second backward reads the same h and gives the same gradients
+        again = backward()
+        for a, b in zip(got, again):
+            assert torch.equal(a, b)
 
 
 def test_checkpointing_and_frozen_parts(fm, device):

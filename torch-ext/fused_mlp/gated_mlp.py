@@ -24,6 +24,17 @@ from .geglu import activation_fn, gated_act
 
 __all__ = ["gated_mlp", "gated_mlp_reference"]
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _no_saved_tensor_hooks() -> bool:
+    """No saved-tensor hooks are active (torch.utils.checkpoint's own test; private, so unknown = hooks may be)."""
+    try:
+        return _top_hooks is not None and _top_hooks(False) is None
+    except TypeError:  # an older signature
+        return False
+
+
 try:  # private engine query: does the running backward keep the graph (retain_graph=True)?
     from torch._C._autograd import _get_current_graph_task_keep_graph as _keep_graph
 except ImportError:  # pragma: no cover - torch without it: assume it may (never overwrite saved buffers)
@@ -80,12 +91,10 @@ class _GatedMLPFunction(torch.autograd.Function):
             h = ops.geglu_fwd(gate, up, activation)
         y = F.linear(h, w_down, b_down)
         # Unless it is the slopes form, h is dropped here; backward rebuilds it (from gate, up) inside dh's buffer.
-        ctx.h = None
-        if h_saved is not None and not torch.compiler.is_compiling():
-            # Eager: the slopes form's h rides on ctx, so that backward can free it once dW_down is done (a saved
-            # tensor lives until backward returns: [T, I] off the backward's peak, which comes with dW_gate / dW_up).
-            # h is this Function's own intermediate (no autograd history): ctx -> h makes no reference cycle.
-            ctx.h, h_saved = h_saved, None
+        # Eager, no saved-tensor hooks (offloading, non-reentrant checkpointing): the saved h is this Function's own
+        # tensor, so backward may give its memory back once dW_down is done instead of when backward returns ([T, I]
+        # off the backward's peak, which comes with dW_gate / dW_up).
+        ctx.free_h = h_saved is not None and not torch.compiler.is_compiling() and _no_saved_tensor_hooks()
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
@@ -100,10 +109,6 @@ class _GatedMLPFunction(torch.autograd.Function):
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
         keep = not torch.compiler.is_compiling() and _keep_graph()
-        if ctx.h is not None:  # eager slopes form: the only reference to h from here on is this frame's
-            h = ctx.h
-            if not keep:
-                ctx.h = None
         if keep:
             # retain_graph=True: this backward may run again, so the saved gate/up (P/Q) must survive it; work on
             # copies (rare path). Under torch.compile the saved activations are donated to the backward graph
@@ -127,6 +132,8 @@ class _GatedMLPFunction(torch.autograd.Function):
         dgate, dup = gate, up
         d_w_down = torch.mm(dy.t(), h) if need[5] else None
         d_b_down = dy.sum(0) if (need[6] and ctx.has_bias[2]) else None
+        if ctx.free_h and not keep and not torch.compiler.is_compiling():
+            h.untyped_storage().resize_(0)  # stream-ordered, as a freed tensor: the GEMM above still reads it
         del h
         dx = None
         if need[0]:
