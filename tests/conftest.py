@@ -89,6 +89,8 @@ def _load(backend: str | None):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "kernels_ci: cheap smoke tests run by kernel-builder's test closure (`nix build .#ci-test`)")
+    config.addinivalue_line(
+        "markers", "large_tensors: GPU cases with tensors of 2^31+ elements (tools/gpu_session.sh runs them as a stage)")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@
 # What comes back is kept to a few files (the device tool returns at most 8, the rest is dropped): $OUT/session.log
 # (every stage's output tail), tests.txt, failures.txt, sanitize.txt, $OUT/<device>/sweep.csv and e2e.csv (the
 # benchmarks mirror their CSVs there).
-# stages: build tests props sanitize bench e2e example multigpu (default: build tests sanitize bench)
+# stages: build tests large props sanitize bench e2e example multigpu (default: build tests large sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/fused-mlp-out}"
@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export FUSED_MLP_CUDA_CAPABILITIES="${FUSED_MLP_CUDA_CAPABILITIES:-9.0}"
 # NVLink multicast stays off on shared multi-GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-stages="${*:-build tests sanitize bench}"
+stages="${*:-build tests large sanitize bench}"
 [ -f .whl/prelude.sh ] && source .whl/prelude.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 # The toolchain that builds the variant there (a device-built binary once crashed in C++ error paths where one
@@ -40,9 +40,17 @@ for s in $stages; do
       python3 -c "import xdist" 2>/dev/null && xdist="-n ${PYTEST_WORKERS:-8}"
       export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
       timeout "${TEST_TIMEOUT:-420}" python3 -m pytest tests -q -rfE --tb=short --durations=15 -p no:cacheprovider \
-        $xdist ${PYTEST_ARGS:-} > "$OUT/tests.txt" 2>&1
+        -m "not large_tensors" $xdist ${PYTEST_ARGS:-} > "$OUT/tests.txt" 2>&1
       echo "pytest exit $?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 60 ;;
+    large)
+      stamp large
+      # Tensors of 2^31+ elements (10-45 GiB per case), one case at a time.
+      export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
+      timeout "${LARGE_TIMEOUT:-300}" python3 -m pytest tests -q -rfEs --tb=short --durations=12 -p no:cacheprovider \
+        -p no:xdist -m large_tensors > "$OUT/large.txt" 2>&1
+      echo "pytest exit $?"
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/large.txt" | tail -n 30 ;;
     props)
       stamp props
       # The large hypothesis sweep: >= 2000 fresh random examples per property test, each test split into
