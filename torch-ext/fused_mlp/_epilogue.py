@@ -11,8 +11,8 @@ Where both passes are fused in training (``use_slopes``: the table's ``train`` e
 (``gated_gemm_fwd_slopes``) saves h, ``P = up act'(gate)`` and ``Q = act(gate)`` instead of gate and up, and the
 backward (``gated_gemm_bwd_slopes_``) computes ``dgate = dh P``, ``dup = dh Q`` in its epilogue and writes no h: the
 activation's derivative is computed in the forward's epilogue, which runs behind a mainloop twice as long, instead of
-the backward's. One [T, I] tensor more is saved per MLP (h); the backward's largest live set is unchanged (h, P, Q
-against gate, up, h).
+the backward's. One [T, I] tensor more is saved per MLP (h); eagerly the backward frees h once dW_down is computed
+(gated_mlp.py), before the weight gradients that make its peak.
 
 Which one runs is decided per call from the table below (``DISPATCH``). The cuBLAS path is the default everywhere
 else: other GPUs, fp32, biased gate/up projections, sizes that are not multiples of 8, and the shapes where the

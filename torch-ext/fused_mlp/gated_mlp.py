@@ -8,7 +8,8 @@ backward computes ``dh = dy @ W_down`` and then one in-place kernel that writes 
 (for ``dW_down = dy^T h``), ``dgate`` into ``gate``'s and ``dup`` into ``up``'s: the largest live set in backward
 is ``gate, up, dh`` (3 x [T, I]) plus one weight gradient. Where both passes run the epilogue GEMMs it saves ``x``,
 ``h``, ``P = up act'(gate)`` and ``Q = act(gate)`` instead (one [T, I] more), and the backward GEMM's epilogue
-writes ``dgate = dh P`` over P and ``dup = dh Q`` over Q (the live set in backward is again 3 x [T, I]).
+writes ``dgate = dh P`` over P and ``dup = dh Q`` over Q; eagerly h's memory is given back once dW_down is computed, so
+the weight gradients (the backward's peak) see 2 x [T, I].
 Numerics: fp32 accumulation and activation math, each stored tensor rounded once.
 """
 
