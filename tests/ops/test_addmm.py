@@ -1073,3 +1073,62 @@ def test_sm90_environment_knob(value):
     assert proc.returncode == 0 and want in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     if value == "bogus":
         assert "FUSED_MLP_ADDMM_SM90 must be" in proc.stdout
+
+
+# ---- CPU, fp32, no activation: ATen's GEMM without the op ---------------------------------------------------------
+def _op_calls(fm, monkeypatch) -> list[str]:
+    """Record every call of the addmm forward op from addmm.py (eager C++ entry and OpOverload alike)."""
+    mod = sys.modules[fm.__name__ + ".addmm"]
+    calls: list[str] = []
+    for name in ("_fwd", "_fwd_call"):
+        real = getattr(mod, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_cpu_fp32_inference_is_atens_gemm(fm, monkeypatch, layout, bias, rank):
+    """On the CPU the op computes an fp32 product with ATen's GEMM and then copies it into y (adding the bias) in a
+    second pass; in fp32 without an activation, inference (functional API and layers) calls F.linear instead: the
+    same GEMM with the bias added to its fp32 result, bit for bit torch's, without the op. bf16, an activation,
+    autocast or autograd keep the op."""
+    from transformers.pytorch_utils import Conv1D
+
+    calls = _op_calls(fm, monkeypatch)
+    x, w_kn, b = _make((37, 48, 40), torch.float32, "cpu", bias=bias, layout=layout)
+    if rank == 3:
+        x = x.view(37, 1, 48)
+    expect = F.linear(x, w_kn.t(), b)
+    with torch.no_grad():
+        got = [_call(fm, layout, b, x, w_kn, None)]
+        if layout == "linear":
+            mod = torch.nn.Linear(48, 40, bias=bias)
+            mod.weight.data, mod.bias = w_kn.t(), (torch.nn.Parameter(b) if bias else None)
+            got.append(fm.layers.Linear.forward(mod, x))
+        else:
+            mod = Conv1D(40, 48)
+            mod.weight.data = w_kn
+            mod.bias.data = b if bias else torch.zeros(40)
+            if not bias:
+                expect = F.linear(x, w_kn.t(), mod.bias)
+                got = [_call(fm, layout, mod.bias, x, w_kn, None)]
+            got.append(fm.layers.Conv1D.forward(mod, x))
+    for g in got:
+        assert g.shape == expect.shape and torch.equal(g, expect)
+    assert calls == []
+    # the op where it is more than ATen's GEMM, or where autograd needs its Function
+    with torch.no_grad():
+        _call(fm, layout, b, x, w_kn, "gelu_tanh")
+        _call(fm, layout, None if b is None else b.bfloat16(), x.bfloat16(), w_kn.bfloat16(), None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _call(fm, layout, b, x, w_kn, None)
+    assert calls == ["_fwd_call", "_fwd_call", "_fwd_call"]
+    _call(fm, layout, b, x.requires_grad_(), w_kn, None)
+    assert calls[-1] == "_fwd"

@@ -49,6 +49,7 @@ _linear_decode = ops.linear_decode.default if hasattr(ops, "linear_decode") else
 _linear_decode_call = getattr(_linear_decode, "_op", _linear_decode)  # eager: the C++ entry, as _fwd_call
 _linear_auto = ops.linear_auto.default if hasattr(ops, "linear_auto") else None
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_F32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -145,6 +146,24 @@ class _AddmmFunction(torch.autograd.Function):
 # ---- argument handling ------------------------------------------------------------------------------------
 
 
+def _cpu_fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """CPU inference in fp32 without an activation (the caller checks those two): the op would run ATen's fp32 GEMM
+    and then copy its fp32 accumulator into y (adding the bias) in a second pass, so ``F.linear`` (the same GEMM, the
+    bias added to the fp32 result inside it: one rounding) is the same math without the pass, the extra [M, N]
+    buffer and the custom-op boundary (docs/tuning-log.md#addmm-cpu-fp32)."""
+    return (x.device.type == "cpu" and x.dtype is _F32 and w.dtype is _F32
+            and (bias is None or (bias.dtype is _F32 and bias.dim() == 1 and bias.shape[0] == n)))
+
+
+def cpu_fp32_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """For the layers (plain tensors): an eager fp32 CPU call without autograd or autocast, which they hand to
+    ``F.linear`` directly (see `_cpu_fp32_gemm`)."""
+    return (x.dtype is _F32 and not x.is_cuda  # first: the GPU layers' calls pay two attribute reads
+            and not _is_compiling() and not _any_autocast() and _cpu_fp32_gemm(x, w, bias, n)
+            and not (_grad_enabled() and (x.requires_grad or w.requires_grad
+                                          or (bias is not None and bias.requires_grad))))
+
+
 def _op_activation(activation: str | None) -> str:
     """The op's spelling of the public `activation`, or ValueError."""
     op_name = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
@@ -204,9 +223,13 @@ def _addmm_impl(
                     w2, dw_transposed = _mat2_layout(w_kn)
                     return _AddmmFunction.apply(bias, x2, w2, op_act, op_act != "none", dw_transposed,
                                                 out_shape)[0]
-                if bias is None and op_act == "none" and x.is_cuda and _use_linear_decode(x2, w_kn):
-                    y = _linear_decode_call(x2, w_kn.t())
-                    return y if x_dim == 2 else y.view(out_shape)
+                if op_act == "none":
+                    if x.is_cuda:
+                        if bias is None and _use_linear_decode(x2, w_kn):
+                            y = _linear_decode_call(x2, w_kn.t())
+                            return y if x_dim == 2 else y.view(out_shape)
+                    elif _cpu_fp32_gemm(x, w_kn, bias, w_kn.shape[1]):
+                        return F.linear(x, w_kn.t(), bias)
                 return _fwd_call(bias, x2, w_kn, op_act, False, out_shape)[0]
             except _FALLBACK_ERRORS:
                 pass
@@ -265,6 +288,8 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
+        if act == "none" and not torch.compiler.is_compiling() and _cpu_fp32_gemm(x2, w2, bias, n):
+            return F.linear(x2, w2.t(), bias).view(out_shape)
         if bias is None and act == "none":
             if _use_linear_decode(x2, w2):
                 return _linear_decode(x2, w2.t()).view(out_shape)
