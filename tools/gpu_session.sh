@@ -4,7 +4,7 @@
 #   over the compact kernel set, then the benchmarks. Logs, CSVs and plots go under $OUT (fetched back).
 # Usage on the GPU machine (with the wheels folder carried):  bash tools/gpu_session.sh [stages...]
 # What comes back is kept to a few files (the device tool returns at most 8, the rest is dropped): $OUT/session.log
-# (every stage's output tail), tests.txt, failures.txt, sanitize.txt, $OUT/<device>/sweep.csv and e2e.csv (the
+# (every stage's output tail), tests.txt, large.txt, failures.txt, sanitize.txt, $OUT/<device>/sweep.csv and e2e.csv (the
 # benchmarks mirror their CSVs there).
 # stages: build tests large props sanitize bench e2e example multigpu (default: build tests large sanitize bench)
 set -uo pipefail
@@ -47,8 +47,8 @@ for s in $stages; do
       stamp large
       # Tensors of 2^31+ elements (10-45 GiB per case), one case at a time.
       export FUSED_MLP_FAILURE_LOG="$OUT/failures.txt"
-      timeout "${LARGE_TIMEOUT:-300}" python3 -m pytest tests -q -rfEs --tb=short --durations=12 -p no:cacheprovider \
-        -p no:xdist -m large_tensors > "$OUT/large.txt" 2>&1
+      timeout "${LARGE_TIMEOUT:-300}" python3 -m pytest tests/robustness/test_large_tensors.py -q -rfEs --tb=short \
+        --durations=12 -p no:cacheprovider -p no:xdist > "$OUT/large.txt" 2>&1
       echo "pytest exit $?"
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/large.txt" | tail -n 30 ;;
     props)

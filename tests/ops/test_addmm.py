@@ -1132,3 +1132,8 @@ def test_cpu_fp32_inference_is_atens_gemm(fm, monkeypatch, layout, bias, rank):
     assert calls == ["_fwd_call", "_fwd_call", "_fwd_call"]
     _call(fm, layout, b, x.requires_grad_(), w_kn, None)
     assert calls[-1] == "_fwd"
+    if layout == "linear":  # a 1-D weight is still refused (F.linear would take it as a vector)
+        bad = torch.nn.Linear(48, 40, bias=False)
+        bad.weight = torch.nn.Parameter(torch.randn(48))
+        with torch.no_grad(), pytest.raises(ValueError, match="2-D"):
+            fm.layers.Linear.forward(bad, x.detach())

@@ -415,23 +415,25 @@ def test_slopes_backward_frees_h_before_the_input_weight_grads(fm, monkeypatch, 
         y = checkpoint(fm.gated_mlp, x, *w, use_reentrant=mode == "checkpoint_reentrant")
     else:
         y = fm.gated_mlp(x, *w)
-    def backward():  # .backward, not autograd.grad: the reentrant checkpoint refuses the latter
+    def backward(retain):  # .backward, not autograd.grad: the reentrant checkpoint refuses the latter
         for p in (x, *w):
             p.grad = None
-        y.backward(dy, retain_graph=mode == "retain_graph")
+        y.backward(dy, retain_graph=retain)
         return [p.grad for p in (x, *w)]
 
-    got = backward()
+
+    got = backward(mode == "retain_graph")
     for a, b in zip(got, expect):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     full = t * I * x.element_size()
     # the reentrant checkpoint recomputes the forward without hooks, inside its own backward: h is the Function's
     freed = mode in ("plain", "checkpoint_reentrant")
     assert h_bytes_at_dw == ([0, 0] if freed else [full, full]), h_bytes_at_dw
-    if mode == "retain_graph":  # a second backward reads the same h and gives the same gradients
-        again = backward()
+    if mode == "retain_graph":  # a second backward (graph not kept) reads the same h, then frees it
+        again = backward(False)
         for a, b in zip(got, again):
             assert torch.equal(a, b)
+        assert h_bytes_at_dw[2:] == [0, 0], h_bytes_at_dw
 
 
 def test_checkpointing_and_frozen_parts(fm, device):

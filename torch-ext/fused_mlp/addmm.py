@@ -149,8 +149,8 @@ class _AddmmFunction(torch.autograd.Function):
 def _cpu_fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """CPU inference in fp32 without an activation (the caller checks those two): the op would run ATen's fp32 GEMM
     and then copy its fp32 accumulator into y (adding the bias) in a second pass, so ``F.linear`` (the same GEMM, the
-    bias added to the fp32 result inside it: one rounding) is the same math without the pass, the extra [M, N]
-    buffer and the custom-op boundary (docs/tuning-log.md#addmm-cpu-fp32)."""
+    bias added to its fp32 result: all fp32) is the same math without the op's copy, its extra [M, N] buffer and the
+    custom-op boundary (docs/tuning-log.md#addmm-cpu-fp32)."""
     return (x.device.type == "cpu" and x.dtype is _F32 and w.dtype is _F32
             and (bias is None or (bias.dtype is _F32 and bias.dim() == 1 and bias.shape[0] == n)))
 
@@ -158,7 +158,7 @@ def _cpu_fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
 def cpu_fp32_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """For the layers (plain tensors): an eager fp32 CPU call without autograd or autocast, which they hand to
     ``F.linear`` directly (see `_cpu_fp32_gemm`)."""
-    return (x.dtype is _F32 and not x.is_cuda  # first: the GPU layers' calls pay two attribute reads
+    return (x.dtype is _F32 and not x.is_cuda
             and not _is_compiling() and not _any_autocast() and _cpu_fp32_gemm(x, w, bias, n)
             and not (_grad_enabled() and (x.requires_grad or w.requires_grad
                                           or (bias is not None and bias.requires_grad))))

@@ -95,7 +95,8 @@ class _GatedMLPFunction(torch.autograd.Function):
         # Eager, no saved-tensor hooks (offloading, non-reentrant checkpointing): the saved h is this Function's own
         # tensor, so backward may give its memory back once dW_down is done instead of when backward returns ([T, I]
         # off the backward's peak, which comes with dW_gate / dW_up).
-        ctx.free_h = h_saved is not None and not torch.compiler.is_compiling() and _no_saved_tensor_hooks()
+        ctx.free_h = (type(h_saved) is torch.Tensor and not torch.compiler.is_compiling()  # not a subclass's storage
+                      and _no_saved_tensor_hooks())
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
