@@ -30,8 +30,20 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Exception.h>
 #include <torch/headeronly/util/Half.h>
+#if __has_include(<torch/csrc/stable/macros.h>)
+#include <torch/csrc/stable/macros.h>
+#endif
+#if __has_include(<torch/headeronly/util/shim_utils.h>)
+#include <torch/headeronly/util/shim_utils.h>
+#endif
 
 #include <array>
+
+// torch 2.10 / 2.11 headers have only the header-only TORCH_ERROR_CODE_CHECK; STABLE_TORCH_ERROR_CODE_CHECK (the same
+// check, with the shim's error text in the exception) came later. One source builds against either.
+#if !defined(STABLE_TORCH_ERROR_CODE_CHECK)
+#define STABLE_TORCH_ERROR_CODE_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 // torch/csrc/stable/macros.h looks up newer shim functions with dlsym; glibc >= 2.34 versions that symbol
 // GLIBC_2.34, above manylinux_2_28. Bind to the baseline version every x86-64 glibc exports.
