@@ -415,12 +415,12 @@ def test_slopes_backward_frees_h_before_the_input_weight_grads(fm, monkeypatch, 
         y = checkpoint(fm.gated_mlp, x, *w, use_reentrant=mode == "checkpoint_reentrant")
     else:
         y = fm.gated_mlp(x, *w)
+
     def backward(retain):  # .backward, not autograd.grad: the reentrant checkpoint refuses the latter
         for p in (x, *w):
             p.grad = None
         y.backward(dy, retain_graph=retain)
         return [p.grad for p in (x, *w)]
-
 
     got = backward(mode == "retain_graph")
     for a, b in zip(got, expect):

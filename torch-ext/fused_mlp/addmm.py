@@ -157,9 +157,8 @@ def _cpu_fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
 
 def cpu_fp32_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """For the layers (plain tensors): an eager fp32 CPU call without autograd or autocast, which they hand to
-    ``F.linear`` directly (see `_cpu_fp32_gemm`)."""
-    return (x.dtype is _F32 and not x.is_cuda
-            and not _is_compiling() and not _any_autocast() and _cpu_fp32_gemm(x, w, bias, n)
+    ``F.linear`` directly (see `_cpu_fp32_gemm`). The callers test ``x``'s dtype and device inline first."""
+    return (not _is_compiling() and not _any_autocast() and _cpu_fp32_gemm(x, w, bias, n)
             and not (_grad_enabled() and (x.requires_grad or w.requires_grad
                                           or (bias is not None and bias.requires_grad))))
 
