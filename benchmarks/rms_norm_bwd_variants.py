@@ -9,7 +9,8 @@ in one process (the host is noisy); TB/s over h + dy + dx. The evidence behind t
 
 Variants: ``legacy`` (rows / wide kernels), ``auto`` (what a user gets), ``reg,packs=2`` and ``reg,packs=4`` (the
 register kernel forced), ``reg,packs=4,cluster=8`` for N >= 16384. Output: a table of TB/s and the ratio auto /
-legacy per shape, CSV ``benchmarks/results/<device>/rms_norm_bwd_variants.csv``. CUDA only.
+legacy per shape, CSV ``benchmarks/results/<device>/rms_norm_bwd_variants.csv``. CUDA only. ``--variants
+'reg,packs=2;reg,packs=2,pf=1'`` compares chosen knob values (legacy and auto always run).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=SHAPES, help="comma list of MxN")
     ap.add_argument("--calls", type=int, default=5, help="calls per graph (default 5)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--variants", default=None,
+                    help="semicolon list of knob values to compare, e.g. 'reg,packs=2;reg,packs=2,pf=1' (default: "
+                         "legacy, auto, reg,packs=2, reg,packs=4, + reg,packs=4,cluster=8 for N >= 16384); legacy "
+                         "and auto are always added (the ratios' references)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -63,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         w = 1 + 0.25 * torch.randn(n, device="cuda", dtype=dt)
         dy = torch.randn(m, n, device="cuda", dtype=dt)
         _, _, rstd = ops.rms_norm_fwd(x, None, w, 1e-6, 0.0, dt, None)
-        variants = {"legacy": "legacy", "auto": "auto", "reg,packs=2": "reg,packs=2", "reg,packs=4": "reg,packs=4"}
-        if n >= 16384:
-            variants["reg,packs=4,cluster=8"] = "reg,packs=4,cluster=8"
+        if args.variants:
+            variants = {"legacy": "legacy", "auto": "auto"}
+            variants.update({v: v for v in args.variants.split(";") if v})
+        else:
+            variants = {"legacy": "legacy", "auto": "auto", "reg,packs=2": "reg,packs=2", "reg,packs=4": "reg,packs=4"}
+            if n >= 16384:
+                variants["reg,packs=4,cluster=8"] = "reg,packs=4,cluster=8"
         fns, ref = {}, None
         for name, knob in variants.items():
             def call(knob=knob):
