@@ -68,13 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         w = 1 + 0.25 * torch.randn(n, device="cuda", dtype=dt)
         dy = torch.randn(m, n, device="cuda", dtype=dt)
         _, _, rstd = ops.rms_norm_fwd(x, None, w, 1e-6, 0.0, dt, None)
-        if args.variants:
-            variants = {"legacy": "legacy", "auto": "auto"}
-            variants.update({v: v for v in args.variants.split(";") if v})
-        else:
-            variants = {"legacy": "legacy", "auto": "auto", "reg,packs=2": "reg,packs=2", "reg,packs=4": "reg,packs=4"}
-            if n >= 16384:
-                variants["reg,packs=4,cluster=8"] = "reg,packs=4,cluster=8"
+        extra = args.variants.split(";") if args.variants else \
+            ["reg,packs=2", "reg,packs=4"] + (["reg,packs=4,cluster=8"] if n >= 16384 else [])
+        variants = {v: v for v in ["legacy", "auto", *extra] if v}
         fns, ref = {}, None
         for name, knob in variants.items():
             def call(knob=knob):
