@@ -686,3 +686,15 @@ def describe_exception(e: BaseException) -> str:
 
 def eprint(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+def run_docs_recipe(name: str, doc: Path = ROOT / "docs" / "using-with-transformers.md") -> dict[str, Any]:
+    """Executes the Python block that follows ``<!-- recipe:<name> -->`` in ``doc`` (the user-facing text is what runs)
+    and returns its namespace."""
+    text = doc.read_text()
+    m = re.search(rf"<!-- recipe:{re.escape(name)} -->\s*```python\n(.*?)```", text, re.S)
+    if m is None:
+        raise LookupError(f"no recipe {name!r} in {doc}")
+    ns: dict[str, Any] = {"__name__": f"recipe_{name.replace('-', '_')}"}
+    exec(compile(m.group(1), f"{doc}:recipe:{name}", "exec"), ns)  # noqa: S102 - our own docs
+    return ns

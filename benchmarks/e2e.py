@@ -7,6 +7,7 @@ with random weights, bf16 -- training step (fwd + bwd of the LM loss) and prefil
     python benchmarks/e2e.py                                 # GPU: 4 layers each of Gemma-2B, Llama-3-8B, Llama-3.2-1B
     python benchmarks/e2e.py --models gemma2b --providers eager,ours,torch.compile,liger,ours+torch.compile
     python benchmarks/e2e.py --tiny                          # CPU smoke run with a tiny config (about a minute)
+    python benchmarks/e2e.py --sdpa-causal-skip              # with the docs' SDPA mask recipe (torch < 2.14)
 
 Definitions mirror ``anchors/e2e_bench.py`` so the numbers compare with ``anchors/e2e.json``: GemmaConfig(vocab 4096,
 hidden 2048, intermediate 16384, 8 heads, 1 KV head, head_dim 256, gelu_pytorch_tanh), ``input_ids`` of shape
@@ -50,6 +51,7 @@ from bench_lib import (  # noqa: E402
     load_kernel,
     log,
     out_mirror,
+    run_docs_recipe,
     synchronize,
 )
 
@@ -342,7 +344,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel", default=str(ROOT), help="checkout path (default: this one); kernelize maps the layers "
                    "to it with LocalLayerRepository")
     p.add_argument("--results-root", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--csv-name", default="e2e.csv")
+    p.add_argument("--csv-name", default=None, help="default e2e.csv (with --sdpa-causal-skip: e2e_sdpa_causal_skip.csv)")
+    p.add_argument("--sdpa-causal-skip", action="store_true", help="register docs/using-with-transformers.md's "
+                   "recipe (SDPA is_causal=True instead of a materialised mask under torch.compile on torch < 2.14) "
+                   "for every provider")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--warmup-ms", type=float, default=None, help="default GPU 25, CPU 20")
     p.add_argument("--rep-ms", type=float, default=None, help="default GPU 600, CPU 200 (split over the rounds; "
@@ -367,6 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.kernel_path = Path(args.kernel).resolve()
     if not args.kernel_path.exists():
         raise SystemExit(f"--kernel must be a checkout path (LocalLayerRepository), got {args.kernel!r}")
+    args.csv_name = args.csv_name or ("e2e_sdpa_causal_skip.csv" if args.sdpa_causal_skip else "e2e.csv")
+    if args.sdpa_causal_skip:
+        run_docs_recipe("sdpa-causal-skip")
+        log("SDPA mask: docs/using-with-transformers.md's sdpa-causal-skip recipe registered for every provider")
     fm = load_kernel(str(args.kernel_path))
     available = {n for n in KERNEL_LAYERS if hasattr(getattr(fm, "layers", None), n)}
     missing = [n for n in args.kernel_layers.split(",") if n not in available]

@@ -1,0 +1,109 @@
+"""docs/using-with-transformers.md's ``sdpa-causal-skip`` recipe, run from the docs text itself (as
+``benchmarks/e2e.py --sdpa-causal-skip`` runs it): under ``torch.compile`` a causal SDPA model called without a
+padding mask gets ``attn_mask=None, is_causal=True`` even where transformers cannot skip the mask itself (torch <
+2.14, simulated here by making transformers' ``is_torchdynamo_exporting`` read True, as Dynamo on those versions
+does), with logits equal to the eager model's; a padded batch, a sliding window and a filled cache still get the
+materialised mask. Also pins the claim the docs make about this machine's torch: on torch >= 2.14 transformers skips
+the mask under compile by itself. CPU, tiny fp32 Llama / Mistral models, Dynamo with a graph-inspecting backend (no
+code generation)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+from transformers import masking_utils  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_lib import run_docs_recipe  # noqa: E402
+
+
+def sdpa_masks(model, **inputs):
+    """(attn_mask is None, is_causal) of every SDPA call Dynamo captured in a fullgraph compile of ``model``, and
+    the largest difference of the compiled logits from the eager ones."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
+                mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+                seen.append((mask is None, n.kwargs.get("is_causal", False)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = torch.compile(model, backend=backend, fullgraph=True)(**inputs).logits
+    torch._dynamo.reset()
+    return seen, (out - ref).abs().max().item()
+
+
+def tiny(family="llama", **kw):
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, attn_implementation="sdpa", **kw)
+    if family == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common)).eval()
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()
+
+
+@pytest.fixture
+def old_torch_masking(monkeypatch):
+    """transformers' mask code as it behaves under Dynamo on torch < 2.14 (is_exporting() folded to True), with the
+    stock sdpa mask function restored afterwards (the recipe registers its own globally)."""
+    stock = dict(masking_utils.AttentionMaskInterface._global_mapping)
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: True)
+    yield
+    masking_utils.AttentionMaskInterface._global_mapping.clear()
+    masking_utils.AttentionMaskInterface._global_mapping.update(stock)
+
+
+def test_stock_transformers_skips_the_mask_on_this_torch():
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
+        pytest.skip("transformers skips the mask under compile only on torch >= 2.14")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen, diff = sdpa_masks(tiny(), input_ids=ids)
+    assert seen == [(True, True)] * 2, seen
+    assert diff == 0.0
+
+
+def test_recipe_gives_sdpa_is_causal_under_compile(old_torch_masking):
+    model = tiny()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen, _ = sdpa_masks(model, input_ids=ids)
+    assert seen and all(not none for none, _ in seen), f"the simulated old torch should materialise the mask: {seen}"
+    run_docs_recipe("sdpa-causal-skip")
+    seen, diff = sdpa_masks(model, input_ids=ids)
+    assert seen == [(True, True)] * 2, seen
+    assert diff <= 1e-5, diff
+    # What the recipe returns None for, the stock function returns the plain causal mask for.
+    ns = run_docs_recipe("sdpa-causal-skip")
+    assert ns["sdpa_mask_causal_skip"](2, 16, 16) is None
+    full = masking_utils.sdpa_mask(2, 16, 16, allow_is_causal_skip=False)
+    assert torch.equal(full[0, 0], torch.ones(16, 16, dtype=torch.bool).tril())
+
+
+def test_recipe_keeps_the_mask_where_it_is_needed(old_torch_masking):
+    run_docs_recipe("sdpa-causal-skip")
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 16), generator=gen)
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, :5] = 0  # a left-padded row
+    seen, diff = sdpa_masks(tiny(), input_ids=ids, attention_mask=pad)
+    assert seen and all(not none for none, _ in seen), seen
+    assert diff <= 1e-5, diff
+    # Sliding window shorter than the sequence: the window needs the mask.
+    seen, diff = sdpa_masks(tiny("mistral", sliding_window=8), input_ids=ids)
+    assert seen and all(not none for none, _ in seen), seen
+    assert diff <= 1e-5, diff
+    # A filled cache (offset > 0): the recipe defers to transformers' own function.
+    ns = run_docs_recipe("sdpa-causal-skip")
+    fn = ns["sdpa_mask_causal_skip"]
+    assert fn(2, 4, 20, q_offset=16, allow_is_causal_skip=False) is not None
+    assert fn(2, 16, 16, allow_is_causal_skip=False) is not None
+    assert fn(2, 16, 16, local_size=8) is not None
