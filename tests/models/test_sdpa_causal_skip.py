@@ -19,8 +19,16 @@ tf = pytest.importorskip("transformers")
 from transformers import masking_utils  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_lib import run_docs_recipe  # noqa: E402
+
+
+def run_docs_recipe(name):
+    """bench_lib.run_docs_recipe, imported here: benchmarks/ and docs/ are not in kernel-builder's test source set."""
+    if not (ROOT / "benchmarks" / "bench_lib.py").exists() or not (ROOT / "docs").is_dir():
+        pytest.skip("needs the checkout's benchmarks/ and docs/")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_lib import run_docs_recipe as run
+
+    return run(name)
 
 
 def sdpa_masks(model, **inputs):
