@@ -305,14 +305,14 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 // kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg); reg: the register kernel wherever it applies (aligned rows,
 // N % VEC == 0, a row within its reach); legacy: = auto. packs: force PACKS (where the variant exists); cluster (sm_90+):
 // force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never);
-// bar=0: the register kernel's row slots reduce behind the block's barrier instead of one named barrier each.
+// bar=1: the register kernel's row slots reduce behind one named barrier each instead of the block's (opt-in).
 struct BwdKnob {
   enum Mode { kAuto, kReg, kLegacy };
   Mode mode = kAuto;
   int packs = 0;
   int cluster = 0;
   int pf = -1;
-  int bar = -1;  // slot barriers: -1 = default (on), 0 / 1
+  int bar = -1;  // slot barriers: -1 = default (off), 0 / 1
 };
 
 inline BwdKnob parse_bwd_knob(const char* e) {
@@ -458,7 +458,7 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
   a.c_shift = c.c_shift;
   a.prefetch = false;
   a.dw_smem = false;
-  a.slot_bar = knob.bar != 0;  // docs/tuning-log.md#rmsnorm-bwd-slot-barrier
+  a.slot_bar = knob.bar > 0;  // opt-in until measured: docs/tuning-log.md#rmsnorm-bwd-slot-barrier
   a.direct_dw = want_dw && grid == 1;
   a.partial = nullptr;
   partial_rows = static_cast<int>(grid / c.csize);  // one partial row per CTA, or per cluster

@@ -842,7 +842,7 @@ def knob_cases_subprocess(var: str, knob: str, cases: str, modes: tuple[str, str
 
 @requires_cuda
 @pytest.mark.parametrize("knob", ["auto", "reg", "reg,packs=1", "reg,packs=2,pf=0", "reg,packs=4", "reg,packs=4,cluster=2",
-                                  "reg,packs=2,cluster=8", "reg,packs=4,bar=0", "legacy", "dynamic", "global"])
+                                  "reg,packs=2,cluster=8", "reg,packs=4,bar=1", "legacy", "dynamic", "global"])
 def test_cuda_bwd_reg_knob(knob):
     """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
     the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup);
@@ -853,8 +853,8 @@ def test_cuda_bwd_reg_knob(knob):
 
 @requires_cuda
 def test_cuda_bwd_slot_barrier_same_bits():
-    """The register kernel's row slots reduce behind a named barrier each (bar=1, the default) or behind the block's
-    barrier (bar=0): the same sums in the same order, so dx and dW must be bitwise equal. Shapes with several row
+    """The register kernel's row slots reduce behind a named barrier each (bar=1, opt-in) or behind the block's
+    barrier (bar=0, the default): the same sums in the same order, so dx and dW must be bitwise equal. Shapes with several row
     slots of whole warps (bf16 N = 2048 and 4096 at 4 packs, 2048 at 2 packs, fp32 2048), one slot (8192) and slots
     within a warp (1024); M not a multiple of the slots or the grid."""
     code = textwrap.dedent(
