@@ -259,11 +259,8 @@ __device__ __forceinline__ void prefetch_pack(Pack<T, VEC>* slot, const T* row, 
 // Sum over the `tpr` consecutive threads that share a row (tpr: a power of two <= 32, or a multiple of 32).
 // Every thread of the row gets the bitwise same value (butterfly + fixed-order combine). All threads of the
 // block must call it (it may hold a barrier). `scratch`: 64 floats, double-buffered by `parity`, so one
-// barrier per call suffices: a buffer is rewritten only after the next call's barrier. `slot`: the row's tpr
-// threads (whole warps; at most 15 rows per block) wait at a named barrier of their own (id 1 + row slot) instead of
-// the block's, so that the other rows of the block do not wait for this one (each warp writes and reads only its own
-// row's scratch words). The id is derived here, not held across the caller's loop (registers are its budget).
-__device__ __forceinline__ float row_reduce_sum(float v, int tpr, float* scratch, int& parity, bool slot = false) {
+// barrier per call suffices: a buffer is rewritten only after the next call's barrier.
+__device__ __forceinline__ float row_reduce_sum(float v, int tpr, float* scratch, int& parity) {
   const int width = tpr < 32 ? tpr : 32;
   for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   if (tpr <= 32) return v;
@@ -271,11 +268,7 @@ __device__ __forceinline__ float row_reduce_sum(float v, int tpr, float* scratch
   float* s = scratch + parity * 32;
   parity ^= 1;
   if (lane == 0) s[warp] = v;
-  if (slot) {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x) / tpr), "r"(tpr) : "memory");
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
   const int wpr = tpr >> 5, first = (warp / wpr) * wpr;
   float t = 0.f;
   for (int k = 0; k < wpr; ++k) t += s[first + k];
@@ -1195,7 +1188,6 @@ struct BwdArgs {
   int tpr_shift;          // few-rows kernel: log2(tpr) when rpb > 1, else 10
   int row_blocks;         // few-rows kernel: the dx CTAs (the rest of the grid computes dW)
   uint32_t zero;          // 0 (the register kernel's launder_pack)
-  bool slot_bar;          // register kernel: a named barrier per row slot instead of the block's (rpb 2..15)
   bool w_f32, extra_f32, dx_f32;
   bool vec_ok, prefetch, direct_dw, dw_smem;
 };

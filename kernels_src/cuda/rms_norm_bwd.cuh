@@ -166,8 +166,7 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
       launder_pack(hc[i], a.zero);
       launder_pack(dc[i], a.zero);
     }
-    // Row slots of whole warps reduce behind their own barrier, so a CTA's rows do not wait for each other.
-    float c = row_reduce_sum(dot, tpr, red, parity, a.slot_bar && a.rpb > 1 && a.rpb <= 15);
+    float c = row_reduce_sum(dot, tpr, red, parity);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cs > 0) {
       // The cluster's CTAs hold slices of one row: their sums meet in distributed shared memory, added in rank order
@@ -300,19 +299,17 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 
 // ---- host ------------------------------------------------------------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1] [,bar=0|1], read once per process
+// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1], read once per process
 // (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
 // kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg); reg: the register kernel wherever it applies (aligned rows,
 // N % VEC == 0, a row within its reach); legacy: = auto. packs: force PACKS (where the variant exists); cluster (sm_90+):
-// force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never);
-// bar=1: the register kernel's row slots reduce behind one named barrier each instead of the block's (opt-in).
+// force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never).
 struct BwdKnob {
   enum Mode { kAuto, kReg, kLegacy };
   Mode mode = kAuto;
   int packs = 0;
   int cluster = 0;
   int pf = -1;
-  int bar = -1;  // slot barriers: -1 = default (off), 0 / 1
 };
 
 inline BwdKnob parse_bwd_knob(const char* e) {
@@ -325,7 +322,6 @@ inline BwdKnob parse_bwd_knob(const char* e) {
   k.packs = knob_value(s, "packs", 0);
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int pf = knob_value(s, "pf", -1); pf >= 0) k.pf = pf != 0;
-  if (const int b = knob_value(s, "bar", -1); b >= 0) k.bar = b != 0;
   return k;
 }
 
@@ -458,7 +454,6 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
   a.c_shift = c.c_shift;
   a.prefetch = false;
   a.dw_smem = false;
-  a.slot_bar = knob.bar > 0;  // opt-in until measured: docs/tuning-log.md#rmsnorm-bwd-slot-barrier
   a.direct_dw = want_dw && grid == 1;
   a.partial = nullptr;
   partial_rows = static_cast<int>(grid / c.csize);  // one partial row per CTA, or per cluster
