@@ -695,6 +695,8 @@ def run_docs_recipe(name: str, doc: Path = ROOT / "docs" / "using-with-transform
     m = re.search(rf"<!-- recipe:{re.escape(name)} -->\s*```python\n(.*?)```", text, re.S)
     if m is None:
         raise LookupError(f"no recipe {name!r} in {doc}")
-    ns: dict[str, Any] = {"__name__": f"recipe_{name.replace('-', '_')}"}
-    exec(compile(m.group(1), f"{doc}:recipe:{name}", "exec"), ns)  # noqa: S102 - our own docs
-    return ns
+    # A registered module, as if the user had pasted the block into one: Dynamo imports a traced function's module.
+    mod = ModuleType(f"fused_mlp_recipe_{name.replace('-', '_')}")
+    sys.modules[mod.__name__] = mod
+    exec(compile(m.group(1), f"{doc}:recipe:{name}", "exec"), mod.__dict__)  # noqa: S102 - our own docs
+    return mod.__dict__
