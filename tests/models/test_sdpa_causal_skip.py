@@ -89,6 +89,19 @@ def test_recipe_gives_sdpa_is_causal_under_compile(old_torch_masking):
     seen, diff = sdpa_masks(model, input_ids=ids)
     assert seen == [(True, True)] * 2, seen
     assert diff <= 1e-5, diff
+    # Training (train mode, labels, backward): the same skip.
+    seen.clear()
+    model.train()
+
+    def backend(gm, example_inputs):
+        seen.extend(n.kwargs.get("attn_mask") is None for n in gm.graph.nodes
+                    if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    assert seen == [True, True], seen
     # What the recipe returns None for, the stock function returns the plain causal mask for.
     ns = run_docs_recipe("sdpa-causal-skip")
     assert ns["sdpa_mask_causal_skip"](2, 16, 16) is None
