@@ -31,9 +31,9 @@ def run_docs_recipe(name):
     return run(name)
 
 
-def sdpa_masks(model, **inputs):
-    """(attn_mask is None, is_causal) of every SDPA call Dynamo captured in a fullgraph compile of ``model``, and
-    the largest difference of the compiled logits from the eager ones."""
+def sdpa_calls(model, run):
+    """(attn_mask is None, is_causal) of every SDPA call Dynamo captures while ``run(compiled model)`` runs (a
+    fullgraph compile whose backend only inspects the graph), and what ``run`` returned."""
     seen = []
 
     def backend(gm, example_inputs):
@@ -44,10 +44,17 @@ def sdpa_masks(model, **inputs):
         return gm.forward
 
     torch._dynamo.reset()
+    try:
+        return seen, run(torch.compile(model, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+
+
+def sdpa_masks(model, **inputs):
+    """sdpa_calls of an inference forward, and the largest difference of its logits from the eager model's."""
     with torch.no_grad():
         ref = model(**inputs).logits
-        out = torch.compile(model, backend=backend, fullgraph=True)(**inputs).logits
-    torch._dynamo.reset()
+        seen, out = sdpa_calls(model, lambda c: c(**inputs).logits)
     return seen, (out - ref).abs().max().item()
 
 
@@ -90,18 +97,9 @@ def test_recipe_gives_sdpa_is_causal_under_compile(old_torch_masking):
     assert seen == [(True, True)] * 2, seen
     assert diff <= 1e-5, diff
     # Training (train mode, labels, backward): the same skip.
-    seen.clear()
     model.train()
-
-    def backend(gm, example_inputs):
-        seen.extend(n.kwargs.get("attn_mask") is None for n in gm.graph.nodes
-                    if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
-    torch._dynamo.reset()
-    assert seen == [True, True], seen
+    seen, _ = sdpa_calls(model, lambda c: c(input_ids=ids, labels=ids).loss.backward())
+    assert seen == [(True, True)] * 2, seen
     # What the recipe returns None for, the stock function returns the plain causal mask for.
     ns = run_docs_recipe("sdpa-causal-skip")
     assert ns["sdpa_mask_causal_skip"](2, 16, 16) is None
@@ -122,9 +120,14 @@ def test_recipe_keeps_the_mask_where_it_is_needed(old_torch_masking):
     seen, diff = sdpa_masks(tiny("mistral", sliding_window=8), input_ids=ids)
     assert seen and all(not none for none, _ in seen), seen
     assert diff <= 1e-5, diff
-    # A filled cache (offset > 0): the recipe defers to transformers' own function.
+    # Each condition of the recipe alone keeps transformers' mask: an offset (a filled cache), a traced (tensor)
+    # offset, a rectangular block, a window, a padding mask, another mask function, the caller's veto.
     ns = run_docs_recipe("sdpa-causal-skip")
     fn = ns["sdpa_mask_causal_skip"]
-    assert fn(2, 4, 20, q_offset=16, allow_is_causal_skip=False) is not None
-    assert fn(2, 16, 16, allow_is_causal_skip=False) is not None
-    assert fn(2, 16, 16, local_size=8) is not None
+    assert fn(2, 16, 16) is None
+    for kw in (dict(q_offset=16), dict(kv_offset=4), dict(q_offset=torch.tensor(0)), dict(local_size=8),
+               dict(attention_mask=torch.ones(2, 16, dtype=torch.bool)),
+               dict(mask_function=masking_utils.and_masks(masking_utils.causal_mask_function)),
+               dict(allow_is_causal_skip=False)):
+        assert fn(2, 16, 16, **kw) is not None, kw
+    assert fn(2, 4, 20) is not None
