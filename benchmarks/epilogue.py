@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="gemma: the GeGLU shapes of the targets (default); llama: the Llama family's MLPs")
     ap.add_argument("--activation", default=None, choices=["gelu_tanh", "gelu", "silu"],
                     help="default: gelu_tanh for --shapes gemma, silu for llama")
+    ap.add_argument("--only", default=None, help="keep only these (H, T) of the shape set: 'H:T,T;H:T' (e.g. "
+                    "'4096:4096,16384')")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script itself (on a CPU the "
                     "fused providers fall back to the cuBLAS path: only the script is checked)")
     args = ap.parse_args(argv)
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     # of two per shape, which keeps the whole run near 3 minutes.
     compiled = None if args.no_compile else torch.compile(eager_mlp, dynamic=True)
     shapes = SMOKE if args.smoke else LLAMA if args.shapes == "llama" else QUICK if args.quick else FULL
+    if args.only:
+        keep = {int(h): {int(t) for t in ts.split(",")} for h, ts in (p.split(":") for p in args.only.split(";"))}
+        shapes = [(h, i, tuple(t for t in ts if t in keep[h])) for h, i, ts in shapes if h in keep]
     for h, i, tokens in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         wg = torch.randn(i, h, device=device, generator=g).mul_(h ** -0.5).to(dtype).requires_grad_()

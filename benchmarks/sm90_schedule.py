@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """The tile schedule of the sm_90 CUTLASS GEMMs (kernels_src/cuda/sm90_sched.cuh): CTA swizzle x raster order for
-the addmm/Linear epilogue kernel and the gated GEMM forward, against torch.mm of the same shape, in one process.
+the addmm/Linear epilogue kernel and the gated GEMM forward (and with --gated-bwd its backward), against torch.mm of
+the same shape, in one process.
 
     python benchmarks/sm90_schedule.py --out /tmp/sched.csv            # ~30 s on an H200
 
 Each (kernel, shape, schedule) is captured into a CUDA graph of --calls calls with FUSED_MLP_SM90_SCHED set for that
 schedule (the launchers read it at every call, so the graph keeps it); bench_lib.cuda_graph_times replays the graphs
-of one shape in interleaved rounds. Prints TFLOP/s, the ratio to the default schedule (swizzle 1, CUTLASS's raster
-heuristic) and to torch.mm; writes one CSV row per cell. Decides kDefaultSched in addmm_sm90.cu / gated_gemm_sm90.cu.
+of one shape in interleaved rounds. Prints TFLOP/s, the ratio to the first schedule listed (swizzle 1 with CUTLASS's
+raster heuristic, the default before stop 56) and to torch.mm; writes one CSV row per cell. Decides kDefaultSched in addmm_sm90.cu / gated_gemm_sm90.cu.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def main() -> None:
     ap.add_argument("--kernel", help="checkout path or Hub repo id (default: this checkout)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--schedules", help="';'-separated subset of the schedules")
+    ap.add_argument("--schedules", help="';'-separated subset of the schedules ('default': the kernels' own, "
+                    "FUSED_MLP_SM90_SCHED unset)")
+    ap.add_argument("--addmm", help="addmm shapes M,K,N;M,K,N;... (default: the four above; '' for none)")
+    ap.add_argument("--gated", help="gated forward shapes T,H,I;... (default: the four above; '' for none)")
+    ap.add_argument("--gated-bwd", default="", help="gated backward shapes T,H,I;... (gated_gemm_bwd_: dy [T, H] @ "
+                    "w_down [H, I], dGeGLU in the epilogue; default none)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("needs an sm_90 GPU")
@@ -50,6 +56,8 @@ def main() -> None:
 
     def with_sched(sched: str, fn):
         def call():
+            if sched == "default":  # the kernels' own kDefaultSched
+                return fn()
             os.environ[VAR] = sched
             try:
                 return fn()
@@ -57,7 +65,11 @@ def main() -> None:
                 os.environ.pop(VAR, None)
         return call
 
-    cases = [("addmm", s) for s in ADDMM] + [("gated_fwd", s) for s in GATED]
+    def shapes(arg, dflt):
+        return dflt if arg is None else [tuple(int(v) for v in s.split(",")) for s in arg.split(";") if s]
+
+    cases = [("addmm", s) for s in shapes(args.addmm, ADDMM)] + [("gated_fwd", s) for s in shapes(args.gated, GATED)] \
+        + [("gated_bwd", s) for s in shapes(args.gated_bwd, [])]
     for kind, shape in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         if kind == "addmm":
@@ -69,6 +81,17 @@ def main() -> None:
             op = lambda: fm.addmm(b, x, w.t(), activation="gelu_tanh")  # noqa: E731
             ref = lambda: x @ w.t()  # noqa: E731
             flop = 2.0 * m * k * n
+        elif kind == "gated_bwd":
+            t, h, i = shape
+            dy = torch.randn(t, h, device="cuda", dtype=dt, generator=g)
+            wd = (torch.randn(h, i, device="cuda", generator=g) / i**0.5).to(dt)
+            gate = torch.randn(t, i, device="cuda", dtype=dt, generator=g)
+            up = torch.randn(t, i, device="cuda", dtype=dt, generator=g)
+            # gate / up are overwritten with dgate / dup by every call: the values change, the work does not
+            op = lambda: ops.gated_gemm_bwd_(dy, wd, gate, up, "gelu_tanh")  # noqa: E731
+            ref = lambda: dy @ wd  # noqa: E731
+            x = dy
+            flop = 2.0 * t * h * i
         else:
             t, h, i = shape
             x = torch.randn(t, h, device="cuda", dtype=dt, generator=g)

@@ -791,8 +791,9 @@ void dispatch_16bit(ScalarType t, const char* what, F&& f) {
   });
 }
 
-// The tile schedule (sm90_sched.cuh): CUTLASS's default; no schedule measured ahead at every shape -- docs/tuning-log.md#sm90-tile-schedule
-constexpr Sm90Sched kDefaultSched{1, 0};
+// The tile schedule (sm90_sched.cuh): raster along N, no swizzle (H100: 1.01-1.55x CUTLASS's heuristic, worst at large
+// T x H=4096; H200: 0.99-1.01x) -- docs/tuning-log.md#sm90-tile-schedule
+constexpr Sm90Sched kDefaultSched{1, 2};
 
 cutlass::KernelHardwareInfo hw_info(int device) {
   cutlass::KernelHardwareInfo hw;
