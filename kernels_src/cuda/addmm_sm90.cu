@@ -385,8 +385,8 @@ bool launch(typename G::Kernel::Arguments const& args, int device, cudaStream_t 
   return true;
 }
 
-// The tile schedule (sm90_sched.cuh): raster along N, no swizzle (H100: 1.01-1.55x CUTLASS's heuristic, worst at large
-// T x H=4096; H200: 0.99-1.01x) -- docs/tuning-log.md#sm90-tile-schedule
+// The tile schedule (sm90_sched.cuh): raster along N, no swizzle (H100: 1.00-1.20x CUTLASS's heuristic, most at
+// 8192 x 4096 x 14336; H200: 0.99-1.00x) -- docs/tuning-log.md#sm90-tile-schedule
 constexpr Sm90Sched kDefaultSched{1, 2};
 
 template <class E, class Cfg, bool kKMajorB>

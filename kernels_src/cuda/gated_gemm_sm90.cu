@@ -791,9 +791,11 @@ void dispatch_16bit(ScalarType t, const char* what, F&& f) {
   });
 }
 
-// The tile schedule (sm90_sched.cuh): raster along N, no swizzle (H100: 1.01-1.55x CUTLASS's heuristic, worst at large
-// T x H=4096; H200: 0.99-1.01x) -- docs/tuning-log.md#sm90-tile-schedule
+// The tile schedules (sm90_sched.cuh), forward: raster along N, no swizzle (H100: 1.03-1.55x CUTLASS's heuristic, most
+// at large T x H=4096; H200: 0.99-1.01x); backward: raster along N in groups of 4 tiles (H100: 1.04-1.30x; raster N
+// alone read 0.84-1.18x) -- docs/tuning-log.md#sm90-tile-schedule
 constexpr Sm90Sched kDefaultSched{1, 2};
+constexpr Sm90Sched kDefaultSchedBwd{4, 2};
 
 cutlass::KernelHardwareInfo hw_info(int device) {
   cutlass::KernelHardwareInfo hw;
@@ -936,7 +938,7 @@ Tensor gated_gemm_bwd_impl(const char* op, const Tensor& dy, const Tensor& w_dow
              static_cast<const CE*>(w_down.data_ptr()), typename G::Stock::StrideB{{}, I, 0}},
             epi,
             hw_info(dev),
-            sm90_sched_args<typename G::Kernel::TileSchedulerArguments>(sm90_sched(kDefaultSched))};
+            sm90_sched_args<typename G::Kernel::TileSchedulerArguments>(sm90_sched(kDefaultSchedBwd))};
         launch<G>(args, dev, current_stream(dy));
       });
     });
