@@ -85,7 +85,8 @@
 // Lean kernel (rms_norm_fwd_lean_kernel): the reg kernel without its generality for one row class -- 16-bit rows of
 //   exactly P x T packs, one row per CTA, 32 registers at P <= 2 (4 CTAs of 512 per SM); sm_90 auto: N = 8192 as 2 x
 //   512 (M >= 1024, a weight and y of x's dtype, with or without a residual of x's dtype). Row loads: evict-first
-//   below kKeepLoadsMinRows*, the default cache policy from there (the reg kernel too, on sm_90)
+//   below kKeepLoadsMinRows* (4096 rows for 16-bit rows of 8192..16384), the default cache policy from there (the reg kernel
+//   too, on sm_90)
 //   -- docs/tuning-log.md#rmsnorm-lean.
 // FUSED_MLP_RMS_NORM_TUNE (read once per process) overrides a few choices for that sweep, e.g.
 //   "fwd_prefetch=0,bwd_prefetch=0,wide_threads=256,bwd_dw_smem=0,fwd_iters=4,bwd_iters=2".
@@ -2031,6 +2032,12 @@ constexpr int64_t kLeanMinRows = 1024;
 // 16384 rows in the reg kernel, from 8192 in the lean one; -1..-4% at 4096) -- docs/tuning-log.md#rmsnorm-lean
 constexpr int64_t kKeepLoadsMinRowsReg = 16384;
 constexpr int64_t kKeepLoadsMinRowsLean = 8192;
+// ... and from 4096 rows for 16-bit rows of 8192..16384 elements (H100: +0.7-1.6% per call at 4096 / 8192 x 8192 /
+// 16384, plain and with a residual; longer rows not measured) -- docs/tuning-log.md#rmsnorm-fwd-variants
+constexpr int64_t kKeepLoadsLongRowMinRows = 4096;
+inline bool keep_loads_long_rows(int64_t M, int64_t N, size_t elem) {
+  return elem == 2 && M >= kKeepLoadsLongRowMinRows && N >= 8192 && N <= 16384;
+}
 
 // Launches the lean kernel for this call when it applies (16-bit x, h of x's dtype, a weight and y of x's dtype, rows
 // of an instantiated (packs, threads) pair: the table's, or forced_packs with N / (8 forced_packs) threads); false:
@@ -2054,7 +2061,8 @@ bool launch_fwd_lean(const FwdArgs& a, int dev, int forced_packs, int ld, cudaSt
     else if (P == 4 && T == 512) kern = &rms_norm_fwd_lean_kernel<TX, RES, 4, 512>;
     if (kern == nullptr || kernel_spills(reinterpret_cast<const void*>(kern), dev)) return false;
     FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);
-    b.ld_keep = ld >= 0 ? ld == 1 : a.M >= kKeepLoadsMinRowsLean;
+    b.ld_keep = ld >= 0 ? ld == 1
+                        : a.M >= kKeepLoadsMinRowsLean || keep_loads_long_rows(a.M, a.N, sizeof(TX));
     kern<<<static_cast<unsigned>(a.M), static_cast<unsigned>(T), 0, stream>>>(b);
     FM_KERNEL_LAUNCH_CHECK();
     return true;
@@ -2083,7 +2091,8 @@ bool launch_fwd_reg(const FwdArgs& a, const DeviceInfo& info, int dev, int force
   RegConfig c;
   if (!reg_config(NV, M, info.sms, kPmax, info.major >= 9, forced_cluster, forced_packs, c)) return false;
   FwdRegArgs b = row_kernel_args<FwdRegArgs>(a, NV);
-  b.ld_keep = ld >= 0 ? ld == 1 : info.major == 9 && M >= kKeepLoadsMinRowsReg;
+  b.ld_keep = ld >= 0 ? ld == 1
+                      : info.major == 9 && (M >= kKeepLoadsMinRowsReg || keep_loads_long_rows(M, N, sizeof(TX)));
   b.nvc = static_cast<int>(c.nvc);
   b.tpr = c.tpr;
   b.tpr_shift = c.tpr_shift;
