@@ -8,7 +8,8 @@ the same shape, in one process.
 Each (kernel, shape, schedule) is captured into a CUDA graph of --calls calls with FUSED_MLP_SM90_SCHED set for that
 schedule (the launchers read it at every call, so the graph keeps it); bench_lib.cuda_graph_times replays the graphs
 of one shape in interleaved rounds. Prints TFLOP/s, the ratio to the first schedule listed (swizzle 1 with CUTLASS's
-raster heuristic, the default before stop 56) and to torch.mm; writes one CSV row per cell. Decides kDefaultSched in addmm_sm90.cu / gated_gemm_sm90.cu.
+raster heuristic, the default before stop 56) and to torch.mm; writes one CSV row per cell. Decides kDefaultSched /
+kDefaultSchedBwd in addmm_sm90.cu / gated_gemm_sm90.cu.
 """
 
 from __future__ import annotations
