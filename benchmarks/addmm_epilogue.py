@@ -10,7 +10,9 @@ all): ``ours-cutlass`` (on, default config), ``ours-pingpong`` / ``ours-cooperat
 ``ours-cublaslt`` (off: cuBLASLt, FUSED_MLP_ADDMM_SM90=off), ``torch._addmm_activation`` (bias, x, W^T,
 use_gelu=True: cuBLASLt's tanh-GeLU epilogue; only with --act gelu_tanh), ``torch.mm`` (x @ W^T alone, no bias, no
 activation: the ceiling), ``unfused`` (F.gelu(F.linear(x, W, b))). Shapes are M x K x N (x [M, K], weight [N, K],
-or [K, N] with --layout conv1d). Per round each provider runs --iters calls between two CUDA events after a warm-up;
+or [K, N] with --layout conv1d). Per round each provider runs --iters calls between two CUDA events after a warm-up,
+in an order rotated every round (a fixed order read the same kernel 14% apart in first and second place at
+8192 x 4096 x 14336 on the H200, where a round's sustained GEMMs lower the clock);
 the table shows the median over rounds as TFLOP/s, the ratio to torch.mm and to torch._addmm_activation, and the
 max |error| against an fp64 reference (torch.mm's error is against x @ W^T). Targets (issue 28):
 ours-cutlass >= 0.98 x torch.mm and >= torch._addmm_activation at every shape, error <= torch's fused op.
@@ -89,8 +91,10 @@ def main() -> None:
             del z64, ref_mm, ref
             times: dict[str, list[float]] = {p: [] for p in providers}
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(args.rounds):  # interleaved: every provider once per round
-                for name, (mode, fn) in providers.items():
+            names = list(providers)
+            for r in range(args.rounds):  # interleaved: every provider once per round, the order rotated per round
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    mode, fn = providers[name]
                     if mode is not None:
                         ops._addmm_sm90_mode(mode)
                     for _ in range(3):
