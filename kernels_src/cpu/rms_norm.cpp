@@ -2,17 +2,18 @@
 // x, residual, dy, dh_extra: [M, N] (unit stride along N, any row stride); weight: [N]; y, h, dx: [M, N]
 // contiguous; rstd: [M] fp32. fp32 math, one rounding per output.
 //
-// The row kernels (rms_norm_rows.h) are compiled twice — AVX2+FMA+F16C and baseline x86-64 — and picked once
-// at run time from the CPU's features (GCC function multi-versioning done by hand, so the half conversions can
-// use F16C in the fast copy without lifting the module's baseline ISA). Rows are spread over torch's thread
-// pool. dW: a fixed number of row chunks (independent of the thread count), one fp32 partial row each, summed
-// in a fixed order -> bitwise reproducible.
+// The row kernels (rms_norm_rows.h) are compiled three times — AVX-512 with BF16, AVX2+FMA+F16C and baseline
+// x86-64 (no FMA: last-bit differences) — and one is picked once at run time from the CPU's features (GCC function
+// multi-versioning done by hand, so the fast copies use F16C and AVX-512 without lifting the module's baseline
+// ISA). Rows are spread over torch's thread pool. dW: a fixed number of row chunks (independent of the thread
+// count), one fp32 partial row each, summed in a fixed order -> bitwise reproducible.
 // The F16C copy matters (generic code, even auto-vectorised, was several times slower in bf16/fp16): timings vs
 // transformers' LlamaRMSNorm in docs/tuning-log.md#rmsnorm-cpu.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -26,7 +27,9 @@
 // Baseline copy.
 #define FUSED_MLP_ROWS_NS base
 #define FUSED_MLP_ROWS_AVX2 0
+#define FUSED_MLP_ROWS_AVX512BF16 0
 #include "cpu/rms_norm_rows.h"
+#undef FUSED_MLP_ROWS_AVX512BF16
 #undef FUSED_MLP_ROWS_AVX2
 #undef FUSED_MLP_ROWS_NS
 
@@ -35,7 +38,20 @@
 #pragma GCC target("avx2,fma,f16c")
 #define FUSED_MLP_ROWS_NS avx2
 #define FUSED_MLP_ROWS_AVX2 1
+#define FUSED_MLP_ROWS_AVX512BF16 0
 #include "cpu/rms_norm_rows.h"
+#undef FUSED_MLP_ROWS_AVX512BF16
+#undef FUSED_MLP_ROWS_AVX2
+#undef FUSED_MLP_ROWS_NS
+#pragma GCC pop_options
+// AVX-512 (VL, BW, DQ) with BF16: the AVX2 copy with one-instruction bf16 stores (0.75-0.9x the time of bf16 rows).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")
+#define FUSED_MLP_ROWS_NS avx512
+#define FUSED_MLP_ROWS_AVX2 1
+#define FUSED_MLP_ROWS_AVX512BF16 1
+#include "cpu/rms_norm_rows.h"
+#undef FUSED_MLP_ROWS_AVX512BF16
 #undef FUSED_MLP_ROWS_AVX2
 #undef FUSED_MLP_ROWS_NS
 #pragma GCC pop_options
@@ -44,14 +60,24 @@
 namespace fused_mlp::cpu {
 namespace {
 
-// FUSED_MLP_CPU_BASELINE=1 (read once) forces the baseline copy: the tests run it on AVX2 machines too.
-bool use_avx2() {
+// The copy this CPU runs, chosen once. FUSED_MLP_CPU_BASELINE=1 forces the baseline copy and
+// FUSED_MLP_CPU_NO_AVX512=1 the AVX2 one: the tests run every copy on an AVX-512 machine.
+enum class Isa { kBase, kAvx2, kAvx512 };
+Isa cpu_isa() {
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c") && std::getenv("FUSED_MLP_CPU_BASELINE") == nullptr;
-  return ok;
+  static const Isa isa = [] {
+    if (std::getenv("FUSED_MLP_CPU_BASELINE") != nullptr || !__builtin_cpu_supports("avx2") ||
+        !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
+      return Isa::kBase;
+    }
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512bf16");
+    return avx512 && std::getenv("FUSED_MLP_CPU_NO_AVX512") == nullptr ? Isa::kAvx512 : Isa::kAvx2;
+  }();
+  return isa;
 #else
-  return false;
+  return Isa::kBase;
 #endif
 }
 
@@ -147,7 +173,7 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
   const float feps = static_cast<float>(eps);
   float* rstd_p = keep_rstd ? static_cast<float*>(out.rstd->data_ptr()) : nullptr;
   const bool has_res = residual.has_value();
-  const bool avx2 = use_avx2();
+  const Isa isa = cpu_isa();
   void* const y_p = out.y.data_ptr();
   void* const h_p = has_res ? out.h->data_ptr() : nullptr;
 
@@ -158,21 +184,37 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       using TO = decltype(otag);
       const RowsOf<const TX> x_rows = rows_of<TX>(x);
       const RowsOf<const TH> res_rows = has_res ? rows_of<TH>(*residual) : RowsOf<const TH>{nullptr, 0};
-      fused_mlp::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const TX* xr = x_rows(r);
-          const TH* rr = has_res ? res_rows(r) : nullptr;
-          TH* hr = has_res ? static_cast<TH*>(h_p) + r * N : nullptr;
-          TO* yr = static_cast<TO*>(y_p) + r * N;
+      const TX* x0 = x_rows(0);
+      const TH* r0 = res_rows(0);
+      TH* h0 = static_cast<TH*>(h_p);
+      TO* y0 = static_cast<TO*>(y_p);
+      // Overlap the passes of neighbouring rows for fp32 x (memory-bound); 16-bit x spends its time converting and
+      // runs a row at a time (docs/tuning-log.md#rmsnorm-cpu).
+      constexpr bool kOverlap = std::is_same_v<TX, float>;
+      auto rows = [&](auto scale, auto res, int64_t begin, int64_t end) {
+        constexpr bool kScale = decltype(scale)::value, kRes = decltype(res)::value;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-          if (avx2) {
-            const float rs = avx2::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
-            if (rstd_p != nullptr) rstd_p[r] = rs;
-            continue;
-          }
+        if (isa == Isa::kAvx512) {
+          avx512::fwd_rows<kOverlap, kScale, kRes>(x0, x_rows.stride, r0, res_rows.stride, h0, s, y0, rstd_p, begin,
+                                                   end, N, feps);
+          return;
+        }
+        if (isa == Isa::kAvx2) {
+          avx2::fwd_rows<kOverlap, kScale, kRes>(x0, x_rows.stride, r0, res_rows.stride, h0, s, y0, rstd_p, begin,
+                                                 end, N, feps);
+          return;
+        }
 #endif
-          const float rs = base::fwd_row<TX, TH, TO>(xr, rr, hr, s, yr, N, feps);
-          if (rstd_p != nullptr) rstd_p[r] = rs;
+        base::fwd_rows<kOverlap, kScale, kRes>(x0, x_rows.stride, r0, res_rows.stride, h0, s, y0, rstd_p, begin, end,
+                                               N, feps);
+      };
+      fused_mlp::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+        using T = std::true_type;
+        using F = std::false_type;
+        if (s != nullptr) {
+          has_res ? rows(T{}, T{}, begin, end) : rows(T{}, F{}, begin, end);
+        } else {
+          has_res ? rows(F{}, T{}, begin, end) : rows(F{}, F{}, begin, end);
         }
       });
     };
@@ -234,7 +276,7 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
   const float* s = w.empty() ? nullptr : w.data();
   const float* rstd_p = static_cast<const float*>(rstd.const_data_ptr());
   const bool has_extra = dh_extra.has_value();
-  const bool avx2 = use_avx2();
+  const Isa isa = cpu_isa();
   // Fixed chunking (independent of the thread count) keeps dW bitwise reproducible; a chunk has >= the row grain.
   const int64_t chunks = want_dw ? std::min<int64_t>(kMaxDwChunks, (M + row_grain(N) - 1) / row_grain(N)) : 0;
   const int64_t rows_per_chunk = want_dw ? (M + chunks - 1) / chunks : 0;
@@ -279,7 +321,11 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
                 const TE* er = has_extra ? e_rows(r) : nullptr;
                 TX* xr = static_cast<TX*>(dx_p) + r * N;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-                if (avx2) {
+                if (isa == Isa::kAvx512) {
+                  avx512::bwd_row<TH, TD, TE, TX>(hr, dr, rstd_p[r], s, er, xr, acc, N);
+                  continue;
+                }
+                if (isa == Isa::kAvx2) {
                   avx2::bwd_row<TH, TD, TE, TX>(hr, dr, rstd_p[r], s, er, xr, acc, N);
                   continue;
                 }
@@ -307,7 +353,11 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
       TW* out = static_cast<TW*>(dw.data_ptr());
       fused_mlp::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-        if (avx2) {
+        if (isa == Isa::kAvx512) {
+          avx512::sum_columns<TW>(partial.data(), chunks, N, b, e, out);
+          return;
+        }
+        if (isa == Isa::kAvx2) {
           avx2::sum_columns<TW>(partial.data(), chunks, N, b, e, out);
           return;
         }

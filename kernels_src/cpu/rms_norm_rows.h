@@ -1,7 +1,8 @@
-// RMSNorm row kernels for the CPU, written once over an 8-wide fp32 vector type `F8` and compiled twice by
+// RMSNorm row kernels for the CPU, written once over an 8-wide fp32 vector type `F8` and compiled three times by
 // rms_norm.cpp: inside `#pragma GCC target("avx2,fma,f16c")` as namespace `avx2` with FUSED_MLP_ROWS_AVX2 = 1
-// (F8 = __m256, F16C half conversions), and for baseline x86-64 as namespace `base` (F8 = float[8], Half/BFloat16
-// conversions). The includer sets the macro: `#pragma GCC target` does not define __AVX2__/__F16C__ (GCC 12).
+// (F8 = __m256, F16C half conversions), the same with AVX-512 and FUSED_MLP_ROWS_AVX512BF16 = 1 as namespace
+// `avx512` (VCVTNEPS2BF16 bf16 stores), and for baseline x86-64 as namespace `base` (F8 = float[8], Half/BFloat16
+// conversions). The includer sets the macros: `#pragma GCC target` does not define __AVX2__/__F16C__ (GCC 12).
 // No include guard: FUSED_MLP_ROWS_NS names the namespace of each copy. Per row only; threading is the caller's.
 //
 // Numerics: fp32 math, results rounded once (round-to-nearest-even, NaN preserved) on store.
@@ -33,8 +34,8 @@ inline void store8(float* p, F8 a) { _mm256_storeu_ps(p, a.v); }
 inline void store8(Half* p, F8 a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline void store8(BFloat16* p, F8 a) {
-  // Round to nearest even like BFloat16(float): u + 0x7fff + lsb, NaN -> 0x7fc0.
+// Round to nearest even like BFloat16(float): u + 0x7fff + lsb, NaN -> 0x7fc0.
+inline void store8_bf16_int(BFloat16* p, F8 a) {
   const __m256i u = _mm256_castps_si256(a.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
@@ -43,6 +44,20 @@ inline void store8(BFloat16* p, F8 a) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+#if FUSED_MLP_ROWS_AVX512BF16
+// VCVTNEPS2BF16 rounds to nearest even too, but reads denormal inputs as zero and keeps a NaN's sign and payload:
+// rows with either take the integer rounding, so every copy stores the same bits.
+inline void store8(BFloat16* p, F8 a) {
+  if (_mm256_fpclass_ps_mask(a.v, 0x01 | 0x20 | 0x80) != 0) {  // QNaN, denormal, SNaN
+    store8_bf16_int(p, a);
+    return;
+  }
+  const __m128bh b = _mm256_cvtneps_pbh(a.v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), reinterpret_cast<const __m128i&>(b));
+}
+#else
+inline void store8(BFloat16* p, F8 a) { store8_bf16_int(p, a); }
+#endif
 #else
 struct F8 {
   float v[8];
@@ -95,66 +110,107 @@ inline void st1(T* p, float v) { *p = static_cast<T>(v); }
 // drifts by ~1e-6 relative, visible in fp32 outputs).
 constexpr int64_t kBlock = 256;
 
-// Forward of one row. x: [N] TX; res/h: [N] TH or null (h = round_TH(x + res) is written and normalised);
-// s: [N] (offset + w) fp32 or null; y: [N] TO. Returns rstd.
-template <typename TX, typename TH, typename TO>
-float fwd_row(const TX* x, const TH* res, TH* h, const float* s, TO* y, int64_t N, float eps) {
+// Forward of rows [begin, end): row r is x0 + r * xs ([N] TX), with a residual (kRes) also res0 + r * rss ([N] TH),
+// whose h = round_TH(x + res) is written to h0 + r * N and normalised; s: [N] (offset + w) fp32 (kScale) or null;
+// y: y0 + r * N ([N] TO); rstd: [M] fp32 or null.
+// Each row takes two passes: the first sums the squares (and writes h), the output pass writes y. kOverlap runs row
+// r's output pass together with row r + 1's first pass, so the next row streams in while y is written; without it
+// the passes of a row run back to back. The sums (blocks of kBlock elements, fixed order) are the same either way.
+template <bool kOverlap, bool kScale, bool kRes, typename TX, typename TH, typename TO>
+void fwd_rows(const TX* x0, int64_t xs, const TH* res0, int64_t rss, TH* h0, const float* s, TO* y0, float* rstd,
+              int64_t begin, int64_t end, int64_t N, float eps) {
   const int64_t n8 = N - N % 8;
-  double ss = 0.0;
-  for (int64_t b = 0; b < n8; b += kBlock) {
-    const int64_t e = std::min(n8, b + kBlock);
+  // Row q's first pass over the block [b, e) (q < 0: none), calling emit(i) for each 8 elements of the output pass
+  // of the row before; returns the block's sum of squares.
+  auto block = [&](int64_t q, int64_t b, int64_t e, auto&& emit) -> double {
+    int64_t i = b;
+    if (q < 0) {
+      for (; i < e; i += 8) emit(i);
+      return 0.0;
+    }
     F8 a0 = zero8(), a1 = zero8();
-    if (res != nullptr) {
-      for (int64_t i = b; i < e; i += 8) {
+    const TX* x = x0 + q * xs;
+    if constexpr (kRes) {
+      const TH* res = res0 + q * rss;
+      TH* h = h0 + q * N;
+      for (; i < e; i += 8) {
         store8(h + i, add(load8(x + i), load8(res + i)));
         const F8 hv = load8(h + i);  // exactly the rounded residual stream value
         a0 = fma(hv, hv, a0);
+        emit(i);
       }
     } else {
-      int64_t i = b;
       for (; i + 16 <= e; i += 16) {
         const F8 u = load8(x + i), v = load8(x + i + 8);
         a0 = fma(u, u, a0);
         a1 = fma(v, v, a1);
+        emit(i);
+        emit(i + 8);
       }
       for (; i < e; i += 8) {
         const F8 u = load8(x + i);
         a0 = fma(u, u, a0);
+        emit(i);
       }
     }
-    ss += static_cast<double>(hsum(add(a0, a1)));
-  }
-  float tail = 0.f;
-  if (res != nullptr) {
-    for (int64_t i = n8; i < N; ++i) {
-      st1(h + i, ld1(x + i) + ld1(res + i));
-      const float f = ld1(h + i);
-      tail += f * f;
-    }
-  } else {
-    for (int64_t i = n8; i < N; ++i) {
-      const float f = ld1(x + i);
-      tail += f * f;
-    }
-  }
-  ss += static_cast<double>(tail);
-  const float rs = 1.0f / std::sqrt(static_cast<float>(ss) / static_cast<float>(N) + eps);
-  const F8 rs8 = splat8(rs);
-  auto emit = [&](const auto* src) {
-    if (s != nullptr) {
-      for (int64_t i = 0; i < n8; i += 8) store8(y + i, mul(mul(load8(src + i), rs8), load8(s + i)));
-      for (int64_t i = n8; i < N; ++i) st1(y + i, ld1(src + i) * rs * s[i]);
-    } else {
-      for (int64_t i = 0; i < n8; i += 8) store8(y + i, mul(load8(src + i), rs8));
-      for (int64_t i = n8; i < N; ++i) st1(y + i, ld1(src + i) * rs);
-    }
+    return static_cast<double>(hsum(add(a0, a1)));
   };
-  if (res != nullptr) {
-    emit(static_cast<const TH*>(h));
-  } else {
-    emit(x);
+  // Row q's first pass over the tail (N % 8 elements).
+  auto tail = [&](int64_t q) -> double {
+    const TX* x = x0 + q * xs;
+    float t = 0.f;
+    for (int64_t i = n8; i < N; ++i) {
+      float f;
+      if constexpr (kRes) {
+        TH* h = h0 + q * N;
+        st1(h + i, ld1(x + i) + ld1(res0 + q * rss + i));
+        f = ld1(h + i);
+      } else {
+        f = ld1(x + i);
+      }
+      t += f * f;
+    }
+    return static_cast<double>(t);
+  };
+  // Row q's first pass alone: its sum of squares.
+  auto first = [&](int64_t q) -> double {
+    double t = 0.0;
+    for (int64_t b = 0; b < n8; b += kBlock) t += block(q, b, std::min(n8, b + kBlock), [](int64_t) {});
+    return t + tail(q);
+  };
+  double ss = kOverlap ? first(begin) : 0.0;
+  for (int64_t r = begin; r < end; ++r) {
+    if constexpr (!kOverlap) ss = first(r);
+    const float rs = 1.0f / std::sqrt(static_cast<float>(ss) / static_cast<float>(N) + eps);
+    if (rstd != nullptr) rstd[r] = rs;
+    const F8 rs8 = splat8(rs);
+    const auto* src = [&] {
+      if constexpr (kRes) {
+        return static_cast<const TH*>(h0 + r * N);
+      } else {
+        return x0 + r * xs;
+      }
+    }();
+    TO* y = y0 + r * N;
+    auto emit = [&](int64_t i) {
+      if constexpr (kScale) {
+        store8(y + i, mul(mul(load8(src + i), rs8), load8(s + i)));
+      } else {
+        store8(y + i, mul(load8(src + i), rs8));
+      }
+    };
+    const int64_t next = kOverlap && r + 1 < end ? r + 1 : -1;
+    ss = 0.0;
+    for (int64_t b = 0; b < n8; b += kBlock) ss += block(next, b, std::min(n8, b + kBlock), emit);
+    for (int64_t i = n8; i < N; ++i) {
+      if constexpr (kScale) {
+        st1(y + i, ld1(src + i) * rs * s[i]);
+      } else {
+        st1(y + i, ld1(src + i) * rs);
+      }
+    }
+    if (next >= 0) ss += tail(next);
   }
-  return rs;
 }
 
 // Backward of one row: dx = rs * (g - xhat * mean(g * xhat)) + extra, g = dy * s, xhat = h * rs;

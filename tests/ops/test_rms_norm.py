@@ -658,6 +658,93 @@ def test_cpu_baseline_copy_subprocess():
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_cpu_rows_do_not_depend_on_their_neighbours(fm_cpu, dtype, residual):
+    """The CPU forward runs a row's output pass together with the next row's sums (fp32 x): every row's y, h and
+    rstd must be bit for bit what the row alone gives, under 1 and 2 threads (other row splits), N with a tail."""
+    m, n = 67, 2 * 256 + 8 + 3  # blocks, a tail of 8, a scalar tail
+    x = make((m, n), dtype, "cpu")
+    w = 1 + 0.25 * make((n,), dtype, "cpu", seed=1)
+    r = make((m, n), torch.float32, "cpu", seed=2) if residual else None
+    fwd = fm_cpu._ops.ops.rms_norm_fwd.default
+    kw = (r, w, 1e-6, 0.0, dtype, torch.float32 if residual else None)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(fwd(x, *kw))
+        alone = [fwd(x[i:i + 1], *((r[i:i + 1],) if residual else (None,)), *kw[1:]) for i in range(m)]
+    finally:
+        torch.set_num_threads(threads)
+    for y, h, rstd in outs:
+        assert torch.equal(y, torch.cat([a[0] for a in alone])) and torch.equal(rstd, torch.cat([a[2] for a in alone]))
+        if residual:
+            assert torch.equal(h, torch.cat([a[1] for a in alone]))
+
+
+_COPIES_SCRIPT = """
+import pathlib, sys, torch
+import kernels
+fm = kernels.get_local_kernel(pathlib.Path(sys.argv[1]), backend="cpu")
+ops = fm._ops.ops
+g = torch.Generator().manual_seed(0)
+outs = []
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for m, n in ((5, 64), (9, 523), (3, 4099)):
+        x = torch.randn(m, n, generator=g)
+        x[0, 0], x[0, 1:] = 1e19, 1e-20 * torch.rand(n - 1, generator=g)  # outputs below fp32's normal range
+        x[1, 3] = float("nan")
+        x[2, 5] = float("inf")
+        x = x.to(dt)
+        w = (1 + 0.25 * torch.randn(n, generator=g)).to(dt)
+        r = torch.randn(m, n, generator=g).to(dt)
+        dy = torch.randn(m, n, generator=g).to(dt)
+        for wt, off in ((w, 0.0), (w, 1.0), (None, 0.0)):
+            y, h, rstd = ops.rms_norm_fwd.default(x, None, wt, 1e-6, off, dt, None)
+            outs += [y, rstd, ops.rms_norm_infer.default(x, wt, 1e-6, off, dt == torch.float32)]
+            outs += list(ops.rms_norm_add_infer.default(x, r, wt, 1e-6, off, False))
+            outs += list(ops.rms_norm_fwd.default(x, r.float(), wt, 1e-6, off, dt, torch.float32))
+            dx, dw = ops.rms_norm_bwd.default(dy, x, rstd, wt, r, off, dt, wt is not None)
+            outs += [dx, dw]
+torch.save(outs, sys.argv[2])
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16"} <= _cpu_flags(),
+                    reason="the AVX-512 copy needs AVX-512 with BF16 (this CPU runs the AVX2 or baseline copy)")
+def test_cpu_avx512_copy_stores_the_avx2_bits(tmp_path):
+    """The CPU row kernels exist three times (AVX-512 with BF16 stores, AVX2+F16C, baseline x86-64; picked once per
+    process). The AVX-512 copy differs from the AVX2 one only in its bf16 stores: the same bits for every op, dtype
+    and weight form, incl. rows with NaN and inf and bf16 outputs below fp32's normal range (which its store hands
+    to the integer rounding). The baseline copy has no FMA: test_cpu_baseline_copy_subprocess holds it to the 2x
+    rule."""
+    results = {}
+    for name, env in (("auto", {}), ("avx2", {"FUSED_MLP_CPU_NO_AVX512": "1"})):
+        out = tmp_path / f"{name}.pt"
+        proc = subprocess.run([sys.executable, "-c", _COPIES_SCRIPT, str(ROOT), str(out)], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        results[name] = torch.load(out)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    ref = results["auto"]
+    assert any(t.dtype == torch.bfloat16 and t.isnan().any() for t in ref)
+    for name in ("avx2",):
+        assert len(results[name]) == len(ref)
+        for i, (a, b) in enumerate(zip(ref, results[name])):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, i)
+            assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])), (name, i, a.dtype)
+
+
 # ---- GPU: every kernel configuration ---------------------------------------------------------------------
 
 
