@@ -196,3 +196,15 @@ def test_readme_op_map_names_every_public_op():
         code = "".join((ROOT / t).read_text() for t in re.findall(r"\]\(([^)#]+\.py)\)", cells[1]))
         for op in re.findall(r"`(\w+)`", cells[0]):
             assert f"def {op}_reference(" in code, f"README 'Find an op': {op}_reference is not in {cells[1]}"
+
+
+def test_security_page_names_every_environment_variable():
+    """SECURITY.md lists the environment variables the package reads: every `FUSED_MLP_*` name in the kernel
+    sources (C++ `getenv`) and the Python package."""
+    sources = [f for d in ("kernels_src", "torch-ext") for pattern in ("*.c*", "*.h", "*.py")
+               for f in (ROOT / d).rglob(pattern)]
+    names = {m for f in sources for m in re.findall(r"\"(FUSED_MLP_[A-Z0-9_]+)\"", f.read_text())}
+    assert "FUSED_MLP_CPU_BASELINE" in names and len(names) > 10
+    page = (ROOT / "SECURITY.md").read_text()
+    missing = sorted(n for n in names if f"`{n}" not in page)
+    assert not missing, f"SECURITY.md does not name {missing}"
