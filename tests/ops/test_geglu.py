@@ -5,11 +5,15 @@ argument errors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from _utils import FLOOR, TAIL_ATOL, TAILS, assert_2x_rule, exact_act, exact_grad
-from conftest import CUDA
+from conftest import CUDA, ROOT
 
 ACTS = ["gelu_tanh", "gelu", "silu"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -250,6 +254,54 @@ def test_opcheck(fm, device):
         ops.geglu_fwd(g3.transpose(0, 1), u3.transpose(0, 1), "silu")
 
 
+@pytest.mark.parametrize("copy", ["FUSED_MLP_CPU_BASELINE", "FUSED_MLP_CPU_NO_AVX512"])
+def test_cpu_lesser_copies_subprocess(copy):
+    """The CPU loops exist three times on x86-64 (baseline, AVX2+FMA, AVX-512; picked once per process): this file's
+    CPU forward, backward, tails-and-specials and in-place tests again in a process forced to the baseline or the
+    AVX2 copy (this machine runs the best one it has)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+           "cpu and (reference or tails or inplace or backward) and not subprocess",
+           str(ROOT / "tests" / "ops" / "test_geglu.py")]
+    proc = subprocess.run(cmd, env={**os.environ, copy: "1"}, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_cpu_copies_give_the_same_bits_subprocess(tmp_path):
+    """The AVX-512 copy runs the AVX2 copy's per-element math in wider vectors: the same bits for every activation,
+    dtype and pass (specials included). On a CPU without AVX-512 both processes run the AVX2 copy."""
+    code = f"""
+import sys, torch
+sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tests" / "ops")!r}]
+import conftest
+fm = conftest._load(None)
+ops = fm._ops.ops
+g = torch.Generator().manual_seed(0)
+outs = []
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    gate = (torch.randn(9, 1003, generator=g) * 4).to(dt)
+    gate[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -30.0])
+    up, dh = torch.randn(9, 1003, generator=g).to(dt), torch.randn(9, 1003, generator=g).to(dt)
+    for act in ("gelu_tanh", "gelu", "silu"):
+        outs.append(ops.geglu_fwd(gate, up, act))
+        outs += list(ops.geglu_bwd(dh, gate, up, act))
+        d, gg, uu = dh.clone(), gate.clone(), up.clone()
+        ops.geglu_bwd_(d, gg, uu, act)
+        outs += [d, gg, uu]
+torch.save(outs, sys.argv[1])
+"""
+    results = []
+    for env in ({}, {"FUSED_MLP_CPU_NO_AVX512": "1"}):
+        out = tmp_path / f"copy{len(results)}.pt"
+        proc = subprocess.run([sys.executable, "-c", code, str(out)], env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(torch.load(out))
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    assert len(results[0]) == len(results[1]) == 3 * 3 * 6
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])), (i, a.dtype)
+
+
 def test_cpu_variant_matches(fm, fm_cpu):
     """The CPU-only build and the installed-torch build serve CPU tensors identically."""
     gate, up = inputs((13, 300), torch.bfloat16, "cpu")
@@ -353,6 +405,35 @@ def test_bad_inputs_raise_clear_errors(fm):
     with pytest.raises(RuntimeError, match="overlap|single memory location"):
         same = g.clone()
         fm._ops.ops.geglu_bwd_(torch.zeros(4, 8), same, same, "silu")
+
+
+def test_eager_fast_path_and_its_fallbacks(fm, monkeypatch):
+    """Contiguous plain tensors go straight to the op (inference) or the autograd Function (training), skipping the
+    Python checks; other layouts and every argument the op rejects take the checked path, which raises the
+    documented errors in training as well."""
+    mod = sys.modules[fm.geglu.__module__]
+    checked = []
+    full = mod._gated
+    monkeypatch.setattr(mod, "_gated", lambda *a: checked.append(1) or full(*a))
+    g, u = torch.randn(4, 8), torch.randn(4, 8)
+    for grad in (False, True):
+        checked.clear()
+        gg, uu = g.clone().requires_grad_(grad), u.clone().requires_grad_(grad)
+        out = fm.geglu(gg, uu)
+        assert out.requires_grad == grad and torch.equal(out, fm._ops.ops.geglu_fwd(g, u, "gelu_tanh"))
+        assert fm.swiglu(gg, uu).shape == (4, 8)
+        assert not checked
+        wide = torch.randn(4, 16, requires_grad=grad)
+        fm.swiglu(*wide.chunk(2, -1))  # row-strided halves: the checked path
+        assert checked
+        with pytest.raises(ValueError, match="one shape"):
+            fm.geglu(gg, torch.randn(4, 9, requires_grad=grad))
+        with pytest.raises(TypeError, match="one dtype"):
+            fm.swiglu(gg, uu.detach().bfloat16().requires_grad_(grad))
+        with pytest.raises(ValueError, match="same device|one device"):
+            fm.geglu(gg, torch.empty(4, 8, device="meta", requires_grad=grad))
+        with pytest.raises(ValueError, match="at least one dimension"):
+            fm.geglu(torch.tensor(1.0, requires_grad=grad), torch.tensor(1.0))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs on the GPU machine, not in CI)")

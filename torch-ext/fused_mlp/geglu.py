@@ -9,7 +9,7 @@ output rounded once. Backward takes ``dh`` in fp32 or the output's dtype and rec
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,17 @@ from ._common import GELU_APPROXIMATE, as_rows, check_device, check_tensor, decl
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["geglu", "swiglu", "geglu_reference", "swiglu_reference"]
+
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_dynamo_compiling  # as rms_norm.py: one Python call, False wherever Dynamo traces
+# The OpOverload (skips the OpOverloadPacket's overload resolution) and, for the eager fast path, its C++ entry (skips
+# OpOverload.__call__'s Python frame).
+_fwd = ops.geglu_fwd.default
+_fwd_call = getattr(_fwd, "_op", _fwd)
+# What the op raises on arguments the full path rejects with its own error (or converts): a C++ check
+# (RuntimeError), a schema mismatch (TypeError), a device without a kernel (NotImplementedError).
+_FALLBACK_ERRORS = (RuntimeError, TypeError, NotImplementedError)
 
 
 # ---- custom ops: fake implementations for torch.compile --------------------------------------------------
@@ -53,7 +64,7 @@ class _GatedActFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, activation, shape):
-        h = ops.geglu_fwd(gate, up, activation)
+        h = _fwd(gate, up, activation)
         if shape is not None and h.shape != shape:
             # Rows of a strided [..., I] input (eager): hand back the caller's shape from here, as a tensor of its
             # own (detached: a view returned from a Function refuses in-place ops; h is not saved, so nothing else
@@ -80,6 +91,23 @@ class _GatedActFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _fast(gate: Any, up: Any, activation: str) -> torch.Tensor | None:
+    """The eager fast path: plain contiguous tensors straight to the op (no gradient needed) or the Function, before
+    the Python checks. The op checks dtypes, shapes and devices before any work; whatever it rejects returns None
+    here and takes the full path, which raises the documented error (host cost per call:
+    docs/tuning-log.md#host-path). Excluded: tracing, and a meta tensor beside a real one (the dispatcher would run
+    the fake implementation)."""
+    if (type(gate) is not _Tensor or type(up) is not _Tensor or _is_compiling() or gate.is_meta is not up.is_meta
+            or not (gate.is_contiguous() and up.is_contiguous())):
+        return None
+    try:
+        if _grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _GatedActFunction.apply(gate, up, activation, None)
+        return _fwd_call(gate, up, activation)
+    except _FALLBACK_ERRORS:
+        return None
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -136,12 +164,14 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "tanh") ->
     activation = GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
     if activation is None:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    return _gated(gate, up, activation)
+    h = _fast(gate, up, activation)
+    return h if h is not None else _gated(gate, up, activation)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in one pass (Llama/Qwen/Mistral MLPs), fp32 math, one rounding. Args as `geglu`."""
-    return _gated(gate, up, "silu")
+    h = _fast(gate, up, "silu")
+    return h if h is not None else _gated(gate, up, "silu")
 
 
 # ---- fp32 references ---------------------------------------------------------------------------------------
