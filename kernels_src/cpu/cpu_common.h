@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "torch_compat.h"
@@ -48,6 +49,31 @@ inline char* row_ptr_mut(const Tensor& t, int64_t row) {
 }
 
 using fused_mlp::shape_str;  // "[2, 3]" in error messages (torch_compat.h)
+
+// Which copy of the vectorised loops this CPU runs (x86-64 kernels are compiled for the baseline ISA, AVX2+FMA and
+// AVX-512 and pick one at run time; each kernel file adds the extra features its own copies need, e.g. the norms'
+// F16C and AVX512_BF16). Chosen once per process: FUSED_MLP_CPU_BASELINE=1 forces the baseline copy and
+// FUSED_MLP_CPU_NO_AVX512=1 the AVX2 one (read once, at the first call), so the tests run every copy on an AVX-512
+// machine. kAvx512 means AVX-512 F, VL, BW and DQ. Other targets: kBase (their kernels decide what that runs).
+enum class CpuLevel { kBase, kAvx2, kAvx512 };
+
+#if defined(__x86_64__) || defined(_M_X64)
+inline CpuLevel cpu_level() {
+  static const CpuLevel level = [] {
+    __builtin_cpu_init();
+    if (std::getenv("FUSED_MLP_CPU_BASELINE") != nullptr || !__builtin_cpu_supports("avx2") ||
+        !__builtin_cpu_supports("fma")) {
+      return CpuLevel::kBase;
+    }
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    return avx512 && std::getenv("FUSED_MLP_CPU_NO_AVX512") == nullptr ? CpuLevel::kAvx512 : CpuLevel::kAvx2;
+  }();
+  return level;
+}
+#else
+constexpr CpuLevel cpu_level() { return CpuLevel::kBase; }
+#endif
 
 inline bool is_float_type(ScalarType t) {
   return t == kFloat || t == kHalf || t == kBFloat16;

@@ -15,13 +15,12 @@
 //                       cancellation), and phi(x) = exp(-z^2)/sqrt(2 pi) reuses the same exp.
 //   SiLU                silu(x) = x * sigmoid(x), silu'(x) = sigmoid(x) + x * sigmoid'(x).
 // On x86-64 each loop is compiled three times, baseline (SSE2, no FMA), AVX2+FMA and AVX-512 (the AVX2 copy's
-// bits: the same per-element math in 16-wide vectors), picked once at run time (FUSED_MLP_CPU_BASELINE=1 and
-// FUSED_MLP_CPU_NO_AVX512=1 force the lesser copies); on other targets (aarch64: Advanced SIMD and FMA are
-// baseline) once, for the target itself.
+// bits: the same per-element math in 16-wide vectors), picked once at run time (cpu_level() in cpu_common.h, whose
+// environment variables force the lesser copies); on other targets (aarch64: Advanced SIMD and FMA are baseline)
+// once, for the target itself.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -273,8 +272,6 @@ FM_INLINE void bwd_span(const TD* dh, const T* gate, const T* up, TD* h_out, T* 
   }
 }
 
-enum class Copy { kBase, kFast, kAvx512 };
-
 #if defined(__x86_64__)
 // The copy for x86-64 CPUs with AVX2 and FMA (the x86-64 baseline has no FMA instruction), and the same loops for
 // CPUs with AVX-512 (F, VL, BW, DQ): 16-wide vectors, 0.5-0.75x the AVX2 copy's time in bf16, 0.85-1.0x in fp32
@@ -283,19 +280,8 @@ enum class Copy { kBase, kFast, kAvx512 };
 #define FM_AVX512_COPY __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq")))
 constexpr bool kFastCopyFma = true;
 
-Copy cpu_copy() {
-  static const Copy copy = [] {
-    __builtin_cpu_init();
-    if (std::getenv("FUSED_MLP_CPU_BASELINE") != nullptr || !__builtin_cpu_supports("avx2") ||
-        !__builtin_cpu_supports("fma")) {
-      return Copy::kBase;
-    }
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    return avx512 && std::getenv("FUSED_MLP_CPU_NO_AVX512") == nullptr ? Copy::kAvx512 : Copy::kFast;
-  }();
-  return copy;
-}
+// The copy this CPU runs (cpu_common.h, chosen once): kAvx2 is the fast copy.
+CpuLevel cpu_copy() { return cpu_level(); }
 #else
 // Other targets: the target's own code generation; fused multiply-adds where the target has them in hardware
 // (every aarch64 CPU), otherwise __builtin_fmaf would be a libm call per element.
@@ -306,7 +292,8 @@ constexpr bool kFastCopyFma = true;
 constexpr bool kFastCopyFma = false;
 #endif
 
-constexpr Copy cpu_copy() { return Copy::kFast; }
+// One copy, the fast one (kAvx2 names it here as on x86-64).
+constexpr CpuLevel cpu_copy() { return CpuLevel::kAvx2; }
 #endif
 
 template <Act A, typename T>
@@ -427,7 +414,7 @@ void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, co
              const Tensor& dgate, const Tensor& dup) {
   const int64_t rows = gate.size(0), cols = gate.size(1);
   if (rows == 0 || cols == 0) return;  // nothing to do (for_each_span's own early exit; dtypes are checked)
-  const Copy copy = cpu_copy();
+  const CpuLevel copy = cpu_copy();
   const RowsView dh_v = rows_view(dh), gate_v = rows_view(gate), up_v = rows_view(up);
   const RowsView h_v = kWriteH ? rows_view(h_out) : RowsView{nullptr, 0};
   const RowsView dgate_v = rows_view(dgate), dup_v = rows_view(dup);
@@ -445,12 +432,12 @@ void run_bwd(Act act, const Tensor& dh, const Tensor& gate, const Tensor& up, co
           T* dg = dgate_v.elem<T>(r, c0);
           T* du = dup_v.elem<T>(r, c0);
 #if defined(__x86_64__)
-          if (copy == Copy::kAvx512) {
+          if (copy == CpuLevel::kAvx512) {
             bwd_span_avx512<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
             return;
           }
 #endif
-          if (copy == Copy::kFast) bwd_span_fast<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
+          if (copy == CpuLevel::kAvx2) bwd_span_fast<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
           else bwd_span_base<A, kWriteH, T, TD>(d, g, u, h, dg, du, n);
         });
       };
@@ -471,7 +458,7 @@ Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation) {
   const int64_t rows = n_rows(gate), cols = n_cols(gate);
   Tensor out = fused_mlp::empty(fused_mlp::sizes_of(gate), gate.scalar_type(), gate);
   if (rows == 0 || cols == 0) return out;  // nothing to do (for_each_span's own early exit; dtypes are checked)
-  const Copy copy = cpu_copy();
+  const CpuLevel copy = cpu_copy();
   const RowsView gate_v = rows_view(gate), up_v = rows_view(up), out_v = rows_view(out);
   dispatch_act(act, [&](auto ac) {
     constexpr Act A = decltype(ac)::value;
@@ -482,12 +469,12 @@ Tensor geglu_fwd_cpu(const Tensor& gate, const Tensor& up, StrArg activation) {
         const T* u = up_v.elem<T>(r, c0);
         T* o = out_v.elem<T>(r, c0);
 #if defined(__x86_64__)
-        if (copy == Copy::kAvx512) {
+        if (copy == CpuLevel::kAvx512) {
           fwd_span_avx512<A, T>(g, u, o, n);
           return;
         }
 #endif
-        if (copy == Copy::kFast) fwd_span_fast<A, T>(g, u, o, n);
+        if (copy == CpuLevel::kAvx2) fwd_span_fast<A, T>(g, u, o, n);
         else fwd_span_base<A, T>(g, u, o, n);
       });
     });

@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -60,24 +60,19 @@
 namespace fused_mlp::cpu {
 namespace {
 
-// The copy this CPU runs, chosen once. FUSED_MLP_CPU_BASELINE=1 forces the baseline copy and
-// FUSED_MLP_CPU_NO_AVX512=1 the AVX2 one: the tests run every copy on an AVX-512 machine.
-enum class Isa { kBase, kAvx2, kAvx512 };
-Isa cpu_isa() {
+// The copy this CPU runs, chosen once: cpu_level() (cpu_common.h: the CPU's features and the environment variables
+// that force the lesser copies), and the AVX2 copy needs F16C too, the AVX-512 one AVX512_BF16 (else: the AVX2 copy).
+CpuLevel cpu_isa() {
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-  static const Isa isa = [] {
-    if (std::getenv("FUSED_MLP_CPU_BASELINE") != nullptr || !__builtin_cpu_supports("avx2") ||
-        !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
-      return Isa::kBase;
-    }
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("avx512bf16");
-    return avx512 && std::getenv("FUSED_MLP_CPU_NO_AVX512") == nullptr ? Isa::kAvx512 : Isa::kAvx2;
+  static const CpuLevel isa = [] {
+    const CpuLevel level = cpu_level();
+    if (level == CpuLevel::kBase || !__builtin_cpu_supports("f16c")) return CpuLevel::kBase;
+    if (level == CpuLevel::kAvx512 && !__builtin_cpu_supports("avx512bf16")) return CpuLevel::kAvx2;
+    return level;
   }();
   return isa;
 #else
-  return Isa::kBase;
+  return CpuLevel::kBase;
 #endif
 }
 
@@ -92,15 +87,13 @@ void dispatch_cpu(ScalarType t, const char* what, F&& f) {
   }
 }
 
-// (offset + w) in fp32, or empty when there is no weight.
-std::vector<float> scale_row(const std::optional<Tensor>& weight, double offset, int64_t n) {
-  std::vector<float> w;
-  if (weight.has_value()) {
-    w.resize(n);
-    load_row(weight->const_data_ptr(), weight->scalar_type(), w.data(), n);
-    const float off = static_cast<float>(offset);
-    for (int64_t i = 0; i < n; ++i) w[i] += off;
-  }
+// (offset + w) in fp32, or null when there is no weight (or n == 0). Not zero-filled first: load_row writes it all.
+std::unique_ptr<float[]> scale_row(const std::optional<Tensor>& weight, double offset, int64_t n) {
+  if (!weight.has_value() || n == 0) return nullptr;
+  auto w = std::make_unique_for_overwrite<float[]>(n);
+  load_row(weight->const_data_ptr(), weight->scalar_type(), w.get(), n);
+  const float off = static_cast<float>(offset);
+  for (int64_t i = 0; i < n; ++i) w[i] += off;
   return w;
 }
 
@@ -168,12 +161,12 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
   if (keep_rstd) out.rstd = fused_mlp::empty({M}, kFloat, x);
   if (M == 0) return out;
 
-  const std::vector<float> w = scale_row(weight, offset, N);
-  const float* s = w.empty() ? nullptr : w.data();
+  const std::unique_ptr<float[]> w = scale_row(weight, offset, N);
+  const float* s = w.get();
   const float feps = static_cast<float>(eps);
   float* rstd_p = keep_rstd ? static_cast<float*>(out.rstd->data_ptr()) : nullptr;
   const bool has_res = residual.has_value();
-  const Isa isa = cpu_isa();
+  const CpuLevel isa = cpu_isa();
   void* const y_p = out.y.data_ptr();
   void* const h_p = has_res ? out.h->data_ptr() : nullptr;
 
@@ -194,12 +187,12 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
       auto rows = [&](auto scale, auto res, int64_t begin, int64_t end) {
         constexpr bool kScale = decltype(scale)::value, kRes = decltype(res)::value;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-        if (isa == Isa::kAvx512) {
+        if (isa == CpuLevel::kAvx512) {
           avx512::fwd_rows<kOverlap, kScale, kRes>(x0, x_rows.stride, r0, res_rows.stride, h0, s, y0, rstd_p, begin,
                                                    end, N, feps);
           return;
         }
-        if (isa == Isa::kAvx2) {
+        if (isa == CpuLevel::kAvx2) {
           avx2::fwd_rows<kOverlap, kScale, kRes>(x0, x_rows.stride, r0, res_rows.stride, h0, s, y0, rstd_p, begin,
                                                  end, N, feps);
           return;
@@ -272,11 +265,11 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
     return {dx, dw};
   }
 
-  const std::vector<float> w = scale_row(weight, offset, N);
-  const float* s = w.empty() ? nullptr : w.data();
+  const std::unique_ptr<float[]> w = scale_row(weight, offset, N);
+  const float* s = w.get();
   const float* rstd_p = static_cast<const float*>(rstd.const_data_ptr());
   const bool has_extra = dh_extra.has_value();
-  const Isa isa = cpu_isa();
+  const CpuLevel isa = cpu_isa();
   // Fixed chunking (independent of the thread count) keeps dW bitwise reproducible; a chunk has >= the row grain.
   const int64_t chunks = want_dw ? std::min<int64_t>(kMaxDwChunks, (M + row_grain(N) - 1) / row_grain(N)) : 0;
   const int64_t rows_per_chunk = want_dw ? (M + chunks - 1) / chunks : 0;
@@ -321,11 +314,11 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
                 const TE* er = has_extra ? e_rows(r) : nullptr;
                 TX* xr = static_cast<TX*>(dx_p) + r * N;
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-                if (isa == Isa::kAvx512) {
+                if (isa == CpuLevel::kAvx512) {
                   avx512::bwd_row<TH, TD, TE, TX>(hr, dr, rstd_p[r], s, er, xr, acc, N);
                   continue;
                 }
-                if (isa == Isa::kAvx2) {
+                if (isa == CpuLevel::kAvx2) {
                   avx2::bwd_row<TH, TD, TE, TX>(hr, dr, rstd_p[r], s, er, xr, acc, N);
                   continue;
                 }
@@ -353,11 +346,11 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cpu(
       TW* out = static_cast<TW*>(dw.data_ptr());
       fused_mlp::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
 #if defined(FUSED_MLP_HAVE_AVX2_COPY)
-        if (isa == Isa::kAvx512) {
+        if (isa == CpuLevel::kAvx512) {
           avx512::sum_columns<TW>(partial.data(), chunks, N, b, e, out);
           return;
         }
-        if (isa == Isa::kAvx2) {
+        if (isa == CpuLevel::kAvx2) {
           avx2::sum_columns<TW>(partial.data(), chunks, N, b, e, out);
           return;
         }

@@ -46,7 +46,7 @@ inline void store8_bf16_int(BFloat16* p, F8 a) {
 }
 #if FUSED_MLP_ROWS_AVX512BF16
 // VCVTNEPS2BF16 rounds to nearest even too, but reads denormal inputs as zero and keeps a NaN's sign and payload:
-// rows with either take the integer rounding, so every copy stores the same bits.
+// a group of 8 values holding a NaN or a denormal takes the integer rounding, so every copy stores the same bits.
 inline void store8(BFloat16* p, F8 a) {
   if (_mm256_fpclass_ps_mask(a.v, 0x01 | 0x20 | 0x80) != 0) {  // QNaN, denormal, SNaN
     store8_bf16_int(p, a);
