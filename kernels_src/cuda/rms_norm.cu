@@ -2486,6 +2486,7 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(
         using TD = decltype(dtag);
         // Few rows (small-M training): one launch, dW written directly -- docs/tuning-log.md#rms-norm-bwd-small.
         if (launch_bwd_small<TX, TH, TD>(a, info, dev, stream, want_dw)) return;
+        if (launch_bwd_rg<TX, TH, TD>(a, info, dev, stream, want_dw, h, partial, partial_rows)) return;
         if (launch_bwd_reg<TX, TH, TD>(a, info, dev, stream, want_dw, h, partial, partial_rows)) return;
         constexpr int kMaxIters = bwd_max_iters<TX, TH, TD>();
         const int64_t row_bytes = NV * VEC *

@@ -299,15 +299,17 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 
 // ---- host ------------------------------------------------------------------------------------------------------
 
-// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1], read once per process
-// (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
+// FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy | rg [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1] [,rows=2|4], read once
+// per process (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
 // kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg); reg: the register kernel wherever it applies (aligned rows,
-// N % VEC == 0, a row within its reach); legacy: = auto. packs: force PACKS (where the variant exists); cluster (sm_90+):
-// force the cluster size; pf: double-buffer the next row in registers (2 packs only: 1 pack always does, 4 never).
+// N % VEC == 0, a row within its reach); legacy: = auto; rg: the row-group kernel wherever it applies (else as auto).
+// packs: force PACKS (where the variant exists); cluster (sm_90+): force the cluster size; pf: double-buffer the next
+// row in registers (2 packs only: 1 pack always does, 4 never); rows: rg's rows per group.
 struct BwdKnob {
-  enum Mode { kAuto, kReg, kLegacy };
+  enum Mode { kAuto, kReg, kLegacy, kRg };
   Mode mode = kAuto;
   int packs = 0;
+  int rows = 0;  // rg: rows per group
   int cluster = 0;
   int pf = -1;
 };
@@ -319,7 +321,9 @@ inline BwdKnob parse_bwd_knob(const char* e) {
   const std::string head = s.substr(0, s.find(','));
   if (head == "reg") k.mode = BwdKnob::kReg;
   else if (head == "legacy") k.mode = BwdKnob::kLegacy;
+  else if (head == "rg") k.mode = BwdKnob::kRg;
   k.packs = knob_value(s, "packs", 0);
+  k.rows = knob_value(s, "rows", 0);
   if (const int c = knob_value(s, "cluster", 0); c == 2 || c == 4 || c == 8) k.cluster = c;
   if (const int pf = knob_value(s, "pf", -1); pf >= 0) k.pf = pf != 0;
   return k;
@@ -410,12 +414,14 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
   const BwdKnob knob = bwd_knob();
   // auto: the register kernel on sm_90 where h and dy packs are 16 bytes (the measured cases); else the rows / wide
   // kernels, as with legacy.
-  const bool use = knob.mode == BwdKnob::kReg || (knob.mode == BwdKnob::kAuto && info.major == 9 && kMaxPacks >= 4);
+  // rg (forced) where the row-group kernel does not apply: as auto.
+  const bool autoish = knob.mode == BwdKnob::kAuto || knob.mode == BwdKnob::kRg;
+  const bool use = knob.mode == BwdKnob::kReg || (autoish && info.major == 9 && kMaxPacks >= 4);
   if (!use || !a.vec_ok || a.N % VEC != 0) return false;
   const int64_t NV = a.N / VEC;
   BwdRegConfig c;
   auto max_threads = [](int packs, bool pf) { return bwd_reg_max_threads<TX, TH, TD>(packs, pf); };
-  if (knob.mode == BwdKnob::kAuto) {
+  if (autoish) {
     // 4 packs per thread, single-buffered; 2 where over a fifth of a row's thread slots would idle
     // (docs/tuning-log.md#rmsnorm-bwd-reg).
     BwdKnob k4, k2;
@@ -478,6 +484,243 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
   void* args[] = {&a};
   FM_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kern, args));
   return true;
+}
+
+// ---- row groups (bwd "rg") ---------------------------------------------------------------------------------------
+// The register kernel holds PACKS packs of ONE row per thread and a dW sum per held element (4 packs: 32 fp32 sums,
+// 128 registers, one 512-thread CTA per SM). Here a thread holds P packs of each of R consecutive rows (its columns
+// are the same in every row), so one set of P * VEC dW sums serves R rows: the same bytes in flight per thread at a
+// quarter of the sums (P = 1, R = 4: 8 sums), hence more warps per SM. One CTA = one row's packs (tpr = ceil(NV / P)
+// threads in whole warps, <= 512), persistent over groups of R rows; the R row dot products reduce together
+// (shuffles, one smem round, one barrier per group, fixed order). dW: the CTA's partial row, written by the thread
+// that owns each column (no smem). 16-byte h and dy packs only (16-bit h = dy = x, or fp32 throughout), aligned
+// rows, no cluster. Registers: docs/tuning-log.md#rmsnorm-bwd-rg.
+constexpr int kBwdRgMaxThreads = 512;  // __launch_bounds__; rows of up to 512 * P packs
+
+// `zero` as a value that depends on `after`: packs laundered with it are unpacked only once `after` exists.
+__device__ __forceinline__ uint32_t rg_after(uint32_t zero, float after) {
+  asm volatile("" : "+r"(zero) : "f"(after));
+  return zero;
+}
+
+template <int R>
+__device__ __forceinline__ void rg_reduce(float (&v)[R], float* red, int& parity) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  float* s = red + parity * (kBwdRgMaxThreads / 32) * R;  // double-buffered: one barrier per group
+  parity ^= 1;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[warp * R + r] = v[r];
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = 0.f;
+  for (int w = 0; w < nw; ++w)
+#pragma unroll
+    for (int r = 0; r < R; ++r) v[r] += s[w * R + r];
+}
+
+template <typename TX, int P, int R, int REGS>
+__global__ void __maxnreg__(REGS) rms_norm_bwd_rg_kernel(const BwdArgs a) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+  using XPack = Pack<TX, VEC>;
+  constexpr int EU = VEC * 4 / 16;  // 16-byte units of an fp32 pack
+  __shared__ float red[2 * (kBwdRgMaxThreads / 32) * R];
+  const int64_t M = a.M;
+  const int N = static_cast<int>(a.N), NV = N / VEC;
+  const int tpr = static_cast<int>(blockDim.x), lane = static_cast<int>(threadIdx.x);
+  const int64_t groups = (M + R - 1) / R;
+  const bool has_extra = a.extra != nullptr;
+  const float inv_n = 1.f / static_cast<float>(N);
+  bool has[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) has[i] = lane + i * tpr < NV;
+
+  float dw[P][VEC];
+#pragma unroll
+  for (int i = 0; i < P; ++i)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dw[i][j] = 0.f;
+
+  int parity = 0;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    XPack hv[R][P], dv[R][P];
+    float rs[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = g * R + r;
+      const bool valid = row < M;
+      rs[r] = valid ? a.rstd[row] : 0.f;
+      const TX* hr = static_cast<const TX*>(a.h) + (valid ? row : 0) * a.h_stride;
+      const TX* dr = static_cast<const TX*>(a.dy) + (valid ? row : 0) * a.dy_stride;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int v = lane + i * tpr;
+        const bool ok = valid && has[i];
+        hv[r][i].u[0] = ok ? ld16<Ld::Stream>(reinterpret_cast<const uint4*>(hr + v * VEC)) : make_uint4(0u, 0u, 0u, 0u);
+        dv[r][i].u[0] = ok ? ld16<Ld::Stream>(reinterpret_cast<const uint4*>(dr + v * VEC)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    // Row by row: row r's packs are unpacked only after row r - 1's sums exist (rg_after), so one row's fp32 values
+    // are live at a time instead of all R rows' (ptxas hoisted every unpack: 119 registers at P = 1, R = 4).
+    float s[P][VEC];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      if (has[i]) {
+        load_scale<TX, VEC>(s[i], a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
+      }
+    }
+    float dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      dot[r] = 0.f;
+      const uint32_t z = rg_after(a.zero, r > 0 ? dot[r > 0 ? r - 1 : 0] : 0.f);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        launder_pack(hv[r][i], z);
+        launder_pack(dv[r][i], z);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xhat = hv[r][i].f(j) * rs[r];
+          const float d = dv[r][i].f(j);
+          dot[r] += d * s[i][j] * xhat;
+          dw[i][j] += d * xhat;  // rows past M and packs past the row: h = dy = 0 (and rs = 0): adds 0
+        }
+      }
+    }
+    rg_reduce<R>(dot, red, parity);
+    float last = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = g * R + r;
+      if (row >= M) break;
+      const float c = dot[r] * inv_n;
+      const uint32_t z = rg_after(a.zero, last);
+      char* dxr = dx_row<TX>(a, row);
+      const void* er = has_extra ? extra_row<TX>(a, row) : nullptr;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        if (!has[i]) continue;
+        const int v = lane + i * tpr;
+        launder_pack(hv[r][i], z);
+        launder_pack(dv[r][i], z);
+        uint4 ev[EU];
+        if (has_extra) {
+          if (a.extra_f32) {
+            ld_units<float, EU>(ev, static_cast<const float*>(er) + v * VEC);
+          } else {
+            ev[0] = ld16<Ld::Stream>(reinterpret_cast<const uint4*>(static_cast<const TX*>(er) + v * VEC));
+          }
+        }
+        float o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xhat = hv[r][i].f(j) * rs[r];
+          o[j] = rs[r] * (dv[r][i].f(j) * s[i][j] - xhat * c);
+          if (has_extra) o[j] += elem_rt<TX>(ev, a.extra_f32, j);
+        }
+        last = o[VEC - 1];
+        if (a.dx_f32) {
+          Pack<float, VEC> p;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
+          uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(dxr) + v * VEC);
+#pragma unroll
+          for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
+        } else {
+          XPack p;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
+          *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(dxr) + v * VEC) = p.u[0];
+        }
+      }
+    }
+  }
+  if (a.partial == nullptr && !a.direct_dw) return;
+  // dW: this CTA's partial row (or dW itself for a one-CTA grid); each column belongs to exactly one thread.
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if (!has[i]) continue;
+    const int v = lane + i * tpr;
+    if (a.direct_dw) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (a.w_f32) {
+          static_cast<float*>(a.dw)[v * VEC + j] = dw[i][j];
+        } else {
+          static_cast<TX*>(a.dw)[v * VEC + j] = from_float<TX>(dw[i][j]);
+        }
+      }
+    } else {
+      float* prow = a.partial + static_cast<int64_t>(blockIdx.x) * a.pstride + v * VEC;
+#pragma unroll
+      for (int k = 0; k < VEC / 4; ++k)
+        reinterpret_cast<float4*>(prow)[k] = make_float4(dw[i][4 * k], dw[i][4 * k + 1], dw[i][4 * k + 2], dw[i][4 * k + 3]);
+    }
+  }
+}
+
+// The (P, R) variant for TX as a launchable pointer; null where it does not exist.
+template <typename TX>
+const void* bwd_rg_kernel_ptr(int packs, int rows) {
+  const void* k = nullptr;
+  if (packs == 1 && rows == 2) k = reinterpret_cast<const void*>(&rms_norm_bwd_rg_kernel<TX, 1, 2, 72>);
+  if (packs == 1 && rows == 4) k = reinterpret_cast<const void*>(&rms_norm_bwd_rg_kernel<TX, 1, 4, 80>);
+  if (packs == 2 && rows == 2) k = reinterpret_cast<const void*>(&rms_norm_bwd_rg_kernel<TX, 2, 2, 104>);
+  return k;
+}
+
+// Launches the row-group kernel for (TX, TH, TD) when the knob (or auto) picks it and the layout allows it; false:
+// the caller takes the other kernels. Sets a.partial (allocating `partial`) and partial_rows when dW goes through
+// partial rows.
+template <typename TX, typename TH, typename TD>
+bool launch_bwd_rg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t stream, bool want_dw, const Tensor& like,
+                   Tensor& partial, int& partial_rows) {
+  if constexpr (!std::is_same_v<TH, TX> || !std::is_same_v<TD, TX>) {
+    return false;  // 16-byte h and dy packs of x's dtype only
+  } else {
+    constexpr int VEC = 16 / static_cast<int>(sizeof(TX));
+    const BwdKnob knob = bwd_knob();
+    if (knob.mode != BwdKnob::kRg) return false;
+    if (!a.vec_ok || a.N % VEC != 0) return false;
+    const int64_t NV = a.N / VEC;
+    // Packs per thread: the fewest whose row fits 512 threads; rows per group: 4 at 1 pack, 2 at 2 (the knob's
+    // ",packs=" / ",rows=" force others where the variant exists).
+    int packs = knob.packs == 1 || knob.packs == 2 ? knob.packs : NV <= kBwdRgMaxThreads ? 1 : 2;
+    const int rows = knob.rows == 2 || knob.rows == 4 ? knob.rows : packs == 1 ? 4 : 2;
+    const void* kern = bwd_rg_kernel_ptr<TX>(packs, rows);
+    const int64_t threads = (NV + packs - 1) / packs;
+    if (kern == nullptr || threads > kBwdRgMaxThreads || kernel_spills(kern, dev)) return false;
+    const int tpr = static_cast<int>((threads + 31) / 32 * 32);
+    const int occ = blocks_per_sm(kern, tpr, 0, dev);
+    if (occ <= 0) return false;
+    const int64_t groups = (a.M + rows - 1) / rows;
+    const int64_t grid = std::min<int64_t>(groups, static_cast<int64_t>(info.sms) * occ);
+    a.tpr = tpr;
+    a.rpb = 1;
+    a.prefetch = false;
+    a.dw_smem = false;
+    a.direct_dw = want_dw && grid == 1;
+    a.partial = nullptr;
+    partial_rows = static_cast<int>(grid);
+    if (want_dw && !a.direct_dw) {
+      partial = fused_mlp::empty({partial_rows, a.pstride}, kFloat, like);
+      a.partial = static_cast<float*>(partial.data_ptr());
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+    cfg.blockDim = dim3(static_cast<unsigned>(tpr), 1, 1);
+    cfg.stream = stream;
+    void* args[] = {&a};
+    FM_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kern, args));
+    return true;
+  }
 }
 
 // ---- few rows (small-M training, M <= bwd_small_max_rows) --------------------------------------------------------

@@ -857,6 +857,15 @@ def bwd_reg_cases(fm, knob=None):
             torch.cuda.synchronize()
         names = " ".join(e.name for e in prof.events())
         assert ("rms_norm_bwd_reg_kernel" in names) == (knob == "reg"), (knob, names)
+    if knob is not None and knob.startswith("rg"):  # the row-group kernel where it applies (aligned, <= 512 threads)
+        for n, dtype in [(2048, bf), (4096, bf), (1024, torch.float32)]:
+            x, w = make((64, n), dtype, "cuda").requires_grad_(), w_of(n, dtype).requires_grad_()
+            y = fm.rms_norm(x, w)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                y.backward(make((64, n), dtype, "cuda", seed=5))
+                torch.cuda.synchronize()
+            names = " ".join(e.name for e in prof.events())
+            assert "rms_norm_bwd_rg_kernel" in names, (knob, n, names)
     for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384, 16392, 32768, 65536,
                             131072)),
                       (torch.float16, (512, 4096, 8192, 24576)),
@@ -929,7 +938,8 @@ def knob_cases_subprocess(var: str, knob: str, cases: str, modes: tuple[str, str
 
 @requires_cuda
 @pytest.mark.parametrize("knob", ["auto", "reg", "reg,packs=1", "reg,packs=2,pf=0", "reg,packs=4", "reg,packs=4,cluster=2",
-                                  "reg,packs=2,cluster=8", "legacy", "dynamic", "global"])
+                                  "reg,packs=2,cluster=8", "legacy", "rg", "rg,rows=2", "rg,packs=2",
+                                  "dynamic", "global"])
 def test_cuda_bwd_reg_knob(knob):
     """bwd_reg_cases with FUSED_MLP_RMS_NORM_BWD forced (read once: a fresh process per value). "dynamic" re-reads
     the variable at every call: the cases run with "legacy" then "reg" in one process (the lead's A/B setup);
