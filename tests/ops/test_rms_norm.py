@@ -857,15 +857,23 @@ def bwd_reg_cases(fm, knob=None):
             torch.cuda.synchronize()
         names = " ".join(e.name for e in prof.events())
         assert ("rms_norm_bwd_reg_kernel" in names) == (knob == "reg"), (knob, names)
-    if knob is not None and knob.startswith("rg"):  # the row-group kernel where it applies (aligned, <= 512 threads)
-        for n, dtype in [(2048, bf), (4096, bf), (1024, torch.float32)]:
-            x, w = make((64, n), dtype, "cuda").requires_grad_(), w_of(n, dtype).requires_grad_()
-            y = fm.rms_norm(x, w)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                y.backward(make((64, n), dtype, "cuda", seed=5))
-                torch.cuda.synchronize()
-            names = " ".join(e.name for e in prof.events())
-            assert "rms_norm_bwd_rg_kernel" in names, (knob, n, names)
+    # The row-group kernel where it applies (aligned, <= 512 threads): forced, and auto's class on sm_90 (16-bit rows
+    # of 128..512 packs, above the few-rows kernel's M).
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    for n, dtype, M in [(2048, bf, 64), (4096, bf, 64), (1024, torch.float32, 64), (2048, bf, 1000),
+                        (4096, torch.float16, 1000), (8192, bf, 1000), (512, bf, 1000)]:
+        forced = knob is not None and knob.startswith("rg")
+        auto = knob == "auto" and sm90 and M > 256 and 1024 <= n <= 4096
+        if not (forced or knob == "auto"):
+            continue
+        x, w = make((M, n), dtype, "cuda").requires_grad_(), w_of(n, dtype).requires_grad_()
+        y = fm.rms_norm(x, w)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y.backward(make((M, n), dtype, "cuda", seed=5))
+            torch.cuda.synchronize()
+        names = " ".join(e.name for e in prof.events())
+        if forced or knob == "auto":
+            assert ("rms_norm_bwd_rg_kernel" in names) == (forced or auto), (knob, M, n, names)
     for dtype, ns in [(bf, (8, 256, 264, 2048, 4096, 4104, 5376, 8184, 8192, 8200, 16384, 16392, 32768, 65536,
                             131072)),
                       (torch.float16, (512, 4096, 8192, 24576)),
