@@ -188,6 +188,27 @@ __device__ __forceinline__ void store_floats_rt(void* row, bool f32, int col, in
   }
 }
 
+// One whole, aligned pack of VEC outputs at element col of row: float32 when f32, else rounded once to TB. No bounds
+// check: the aligned-row kernels only call it for packs inside the row.
+template <typename TB, int VEC>
+__device__ __forceinline__ void store_full_pack_rt(void* row, bool f32, int col, const float (&f)[VEC]) {
+  if (f32) {
+    Pack<float, VEC> p;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = f[j];
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(row) + col);
+#pragma unroll
+    for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
+  } else {
+    Pack<TB, VEC> p;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TB>(f[j]);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<TB*>(row) + col);
+#pragma unroll
+    for (int k = 0; k < Pack<TB, VEC>::kUnits; ++k) dst[k] = p.u[k];
+  }
+}
+
 template <Ld P, typename TB, int VEC>
 __device__ __forceinline__ void load_floats_rt(float (&f)[VEC], const void* row, bool f32, int col, int n,
                                                bool vec_ok) {
@@ -691,19 +712,7 @@ __global__ void __launch_bounds__(PACKS >= 8 ? 256 : 512) rms_norm_fwd_small_ker
     float o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o[j] = hv[i].f(j) * rs * (a.offset + wv[i].f(j));
-    if (a.y_f32) {
-      Pack<float, VEC> p;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
-      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(yr) + v * VEC);
-#pragma unroll
-      for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
-    } else {
-      XPack p;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
-      *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(yr) + v * VEC) = p.u[0];
-    }
+    store_full_pack_rt<TX, VEC>(yr, a.y_f32, v * VEC, o);
   }
 }
 

@@ -211,19 +211,7 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
             o[j] = rs * (dc[i].f(j) * s[j] - xhat * c);
             if (has_extra) o[j] += elem_rt<TX>(ev, a.extra_f32, j);
           }
-          if (a.dx_f32) {
-            Pack<float, VEC> p;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
-            uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(dxr) + v * VEC);
-#pragma unroll
-            for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
-          } else {
-            Pack<TX, VEC> p;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
-            *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(dxr) + v * VEC) = p.u[0];
-          }
+          store_full_pack_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, o);
         }
       }
     }
@@ -627,19 +615,7 @@ __global__ void __maxnreg__(REGS) rms_norm_bwd_rg_kernel(const BwdArgs a) {
           if (has_extra) o[j] += elem_rt<TX>(ev, a.extra_f32, j);
         }
         last = o[VEC - 1];
-        if (a.dx_f32) {
-          Pack<float, VEC> p;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
-          uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(dxr) + v * VEC);
-#pragma unroll
-          for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
-        } else {
-          XPack p;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
-          *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(dxr) + v * VEC) = p.u[0];
-        }
+        store_full_pack_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, o);
       }
     }
   }
@@ -697,7 +673,7 @@ bool launch_bwd_rg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t str
     if (!pick) return false;
     // Packs per thread: the fewest whose row fits 512 threads; rows per group: 4 at 1 pack, 2 at 2 (the knob's
     // ",packs=" / ",rows=" force others where the variant exists).
-    int packs = knob.packs == 1 || knob.packs == 2 ? knob.packs : NV <= kBwdRgMaxThreads ? 1 : 2;
+    const int packs = knob.packs == 1 || knob.packs == 2 ? knob.packs : NV <= kBwdRgMaxThreads ? 1 : 2;
     const int rows = knob.rows == 2 || knob.rows == 4 ? knob.rows : packs == 1 ? 4 : 2;
     const void* kern = bwd_rg_kernel_ptr<TX>(packs, rows);
     const int64_t threads = (NV + packs - 1) / packs;
@@ -867,19 +843,7 @@ __global__ void __launch_bounds__(kBwdSmallMaxThreads) rms_norm_bwd_small_kernel
       o[j] = rs * (dv[i].f(j) * s[i][j] - xhat * c);
       if (er != nullptr) o[j] += elem_rt<TX>(ev, a.extra_f32, j);
     }
-    if (a.dx_f32) {
-      Pack<float, VEC> p;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) p.v[j] = o[j];
-      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<float*>(dxr) + v * VEC);
-#pragma unroll
-      for (int k = 0; k < Pack<float, VEC>::kUnits; ++k) dst[k] = p.u[k];
-    } else {
-      Pack<TX, VEC> p;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<TX>(o[j]);
-      *reinterpret_cast<uint4*>(reinterpret_cast<TX*>(dxr) + v * VEC) = p.u[0];
-    }
+    store_full_pack_rt<TX, VEC>(dxr, a.dx_f32, v * VEC, o);
   }
 }
 
