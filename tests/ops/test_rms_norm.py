@@ -633,7 +633,7 @@ def test_fp32_upstream_with_fp32_residual_stream(fm, device):
     assert max_err(r.grad, dr64) <= tol * dr64.abs().max().item()
 
 
-def test_cpu_baseline_copy_subprocess():
+def test_cpu_baseline_copy_subprocess(fm_cpu):  # fm_cpu: skipped with it where no CPU variant is built
     """The CPU row kernels exist twice (AVX2+F16C and baseline x86-64, picked at run time); this machine runs the
     AVX2 copy, so the baseline copy is forced in a fresh process (FUSED_MLP_CPU_BASELINE is read once)."""
     code = textwrap.dedent(
@@ -722,7 +722,7 @@ def _cpu_flags() -> set[str]:
 
 @pytest.mark.skipif(not {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16"} <= _cpu_flags(),
                     reason="the AVX-512 copy needs AVX-512 with BF16 (this CPU runs the AVX2 or baseline copy)")
-def test_cpu_avx512_copy_stores_the_avx2_bits(tmp_path):
+def test_cpu_avx512_copy_stores_the_avx2_bits(fm_cpu, tmp_path):  # fm_cpu: as above
     """The CPU row kernels exist three times (AVX-512 with BF16 stores, AVX2+F16C, baseline x86-64; picked once per
     process). The AVX-512 copy differs from the AVX2 one only in its bf16 stores: the same bits for every op, dtype
     and weight form, incl. rows with NaN and inf and bf16 outputs below fp32's normal range (which its store hands
