@@ -289,7 +289,7 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 
 // FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy | rg [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1] [,rows=2|4], read once
 // per process (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
-// kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg), on sm_90 the row-group kernel for 16-bit rows of 128..512 packs;
+// kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg), on sm_90 the row-group kernel for 16-bit rows of 128..768 packs;
 // reg: the register kernel wherever it applies (aligned rows,
 // N % VEC == 0, a row within its reach); legacy: = auto; rg: the row-group kernel wherever it applies (else as auto).
 // packs: force PACKS (where the variant exists); cluster (sm_90+): force the cluster size; pf: double-buffer the next
@@ -480,11 +480,13 @@ bool launch_bwd_reg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t st
 // 128 registers, one 512-thread CTA per SM). Here a thread holds P packs of each of R consecutive rows (its columns
 // are the same in every row), so one set of P * VEC dW sums serves R rows: the same bytes in flight per thread at a
 // quarter of the sums (P = 1, R = 4: 8 sums), hence more warps per SM. One CTA = one row's packs (tpr = ceil(NV / P)
-// threads in whole warps, <= 512), persistent over groups of R rows; the R row dot products reduce together
+// threads in whole warps, <= 768), persistent over groups of R rows; the R row dot products reduce together
 // (shuffles, one smem round, one barrier per group, fixed order). dW: the CTA's partial row, written by the thread
 // that owns each column (no smem). 16-byte h and dy packs only (16-bit h = dy = x, or fp32 throughout), aligned
 // rows, no cluster. Registers: docs/tuning-log.md#rmsnorm-bwd-rg.
-constexpr int kBwdRgMaxThreads = 512;  // __launch_bounds__; rows of up to 512 * P packs
+// Rows of up to 768 * P packs: 768 threads at 80 registers use 61440 of an SM's 65536; a variant whose CTA does not
+// fit (P = 2 at 104 registers past 608 threads) fails the occupancy check in launch_bwd_rg and is not taken.
+constexpr int kBwdRgMaxThreads = 768;
 
 // `zero` as a value that depends on `after`: packs laundered with it are unpacked only once `after` exists.
 __device__ __forceinline__ uint32_t rg_after(uint32_t zero, float after) {
@@ -666,12 +668,12 @@ bool launch_bwd_rg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t str
     const BwdKnob knob = bwd_knob();
     if (!a.vec_ok || a.N % VEC != 0) return false;
     const int64_t NV = a.N / VEC;
-    // auto: sm_90, 16-bit rows of 128..512 packs (bf16 N 1024..4096; H100: 1.03-1.15x the register kernel, 0.88-0.92x
-    // at N 5376 / 8192 -- docs/tuning-log.md#rmsnorm-bwd-rg).
-    const bool pick = knob.mode == BwdKnob::kRg ||
-                      (knob.mode == BwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 && NV >= 128 && NV <= 512);
+    // auto: sm_90, 16-bit rows of 128..768 packs, i.e. one pack per thread (bf16 N 1024..6144; H100: 1.03-1.22x the
+    // register kernel; 2 packs per thread, N = 8192, 0.88x -- docs/tuning-log.md#rmsnorm-bwd-rg).
+    const bool pick = knob.mode == BwdKnob::kRg || (knob.mode == BwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 &&
+                                                    NV >= 128 && NV <= kBwdRgMaxThreads);
     if (!pick) return false;
-    // Packs per thread: the fewest whose row fits 512 threads; rows per group: 4 at 1 pack, 2 at 2 (the knob's
+    // Packs per thread: the fewest whose row fits kBwdRgMaxThreads; rows per group: 4 at 1 pack, 2 at 2 (the knob's
     // ",packs=" / ",rows=" force others where the variant exists).
     const int packs = knob.packs == 1 || knob.packs == 2 ? knob.packs : NV <= kBwdRgMaxThreads ? 1 : 2;
     const int rows = knob.rows == 2 || knob.rows == 4 ? knob.rows : packs == 1 ? 4 : 2;
