@@ -60,6 +60,22 @@ __device__ __forceinline__ float elem_rt(const uint4* u, bool f32, int j) {
   return f32 ? unit_elem<float>(u, j) : unit_elem<TB>(u, j);
 }
 
+// (offset + w) for each of a thread's P whole packs of an aligned row (pack i at column (lane + i * tpr) * VEC);
+// zeros for packs past the row.
+template <typename TX, int VEC, int P>
+__device__ __forceinline__ void load_scale_packs(float (&s)[P][VEC], const BwdArgs& a, const bool (&has)[P], int lane,
+                                                 int tpr, int N) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if (has[i]) {
+      load_scale<TX, VEC>(s[i], a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
+    }
+  }
+}
+
 template <typename TX, typename TH, typename TD, int PACKS, bool PF>
 __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
     rms_norm_bwd_reg_kernel(const BwdArgs a) {
@@ -558,15 +574,7 @@ __global__ void __maxnreg__(REGS) rms_norm_bwd_rg_kernel(const BwdArgs a) {
     // Row by row: row r's packs are unpacked only after row r - 1's sums exist (rg_after), so one row's fp32 values
     // are live at a time instead of all R rows' (ptxas hoisted every unpack: 119 registers at P = 1, R = 4).
     float s[P][VEC];
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      if (has[i]) {
-        load_scale<TX, VEC>(s[i], a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
-      }
-    }
+    load_scale_packs<TX>(s, a, has, lane, tpr, N);
     float dot[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -806,15 +814,7 @@ __global__ void __launch_bounds__(kBwdSmallMaxThreads) rms_norm_bwd_small_kernel
                           : make_uint4(0u, 0u, 0u, 0u);
   }
   float s[PACKS][VEC];
-#pragma unroll
-  for (int i = 0; i < PACKS; ++i) {
-    if (has[i]) {
-      load_scale<TX, VEC>(s[i], a.w, a.w_f32, a.offset, (lane + i * tpr) * VEC, N, true);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
-    }
-  }
+  load_scale_packs<TX>(s, a, has, lane, tpr, N);
   float dot = 0.f;
 #pragma unroll
   for (int i = 0; i < PACKS; ++i)
