@@ -305,7 +305,7 @@ __global__ void __launch_bounds__((bwd_reg_threads<TX, TH, TD, PACKS, PF>()), 1)
 
 // FUSED_MLP_RMS_NORM_BWD = auto | reg | legacy | rg [,packs=1|2|4] [,cluster=2|4|8] [,pf=0|1] [,rows=2|4], read once
 // per process (common.cuh knob_dynamic: at every call, so one process can A/B the kernels). auto: the rows / wide
-// kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg), on sm_90 the row-group kernel for 16-bit rows of 128..768 packs;
+// kernels (-- docs/tuning-log.md#rmsnorm-bwd-reg), on sm_90 the row-group kernel for rows of 128..768 packs;
 // reg: the register kernel wherever it applies (aligned rows,
 // N % VEC == 0, a row within its reach); legacy: = auto; rg: the row-group kernel wherever it applies (else as auto).
 // packs: force PACKS (where the variant exists); cluster (sm_90+): force the cluster size; pf: double-buffer the next
@@ -676,10 +676,10 @@ bool launch_bwd_rg(BwdArgs& a, const DeviceInfo& info, int dev, cudaStream_t str
     const BwdKnob knob = bwd_knob();
     if (!a.vec_ok || a.N % VEC != 0) return false;
     const int64_t NV = a.N / VEC;
-    // auto: sm_90, 16-bit rows of 128..768 packs, i.e. one pack per thread (bf16 N 1024..6144; H100: 1.03-1.22x the
-    // register kernel; 2 packs per thread, N = 8192, 0.88x -- docs/tuning-log.md#rmsnorm-bwd-rg).
-    const bool pick = knob.mode == BwdKnob::kRg || (knob.mode == BwdKnob::kAuto && info.major == 9 && sizeof(TX) == 2 &&
-                                                    NV >= 128 && NV <= kBwdRgMaxThreads);
+    // auto: sm_90, rows of 128..768 packs, i.e. one pack per thread (bf16 N 1024..6144, fp32 512..3072; H100:
+    // 1.03-1.22x the register kernel; bf16 at 2 packs per thread, N = 8192, 0.88x -- docs/tuning-log.md#rmsnorm-bwd-rg).
+    const bool pick = knob.mode == BwdKnob::kRg ||
+                      (knob.mode == BwdKnob::kAuto && info.major == 9 && NV >= 128 && NV <= kBwdRgMaxThreads);
     if (!pick) return false;
     // Packs per thread: the fewest whose row fits kBwdRgMaxThreads; rows per group: 4 at 1 pack, 2 at 2 (the knob's
     // ",packs=" / ",rows=" force others where the variant exists).

@@ -858,17 +858,19 @@ def bwd_reg_cases(fm, knob=None):
         names = " ".join(e.name for e in prof.events())
         assert ("rms_norm_bwd_reg_kernel" in names) == (knob == "reg"), (knob, names)
     # The row-group kernel where it applies (aligned, a CTA that fits an SM: 768 threads x 1 pack at 80 registers,
-    # 2 packs up to 608 threads at 104): forced, and auto's class on sm_90 (16-bit rows of 128..768 packs, above the
-    # few-rows kernel's M). bf16 N = 12288 (2 packs: 768 threads x 104 registers) does not fit: the register kernel.
+    # 2 packs up to 608 threads at 104): forced, and auto's class on sm_90 (rows of 128..768 packs, above the few-rows
+    # kernel's M). bf16 N = 12288 (2 packs: 768 threads x 104 registers) does not fit: the register kernel.
     sm90 = torch.cuda.get_device_capability()[0] == 9
-    for n, dtype, M in [(2048, bf, 64), (4096, bf, 64), (1024, torch.float32, 64), (2048, bf, 1000),
+    f32 = torch.float32
+    for n, dtype, M in [(2048, bf, 64), (4096, bf, 64), (1024, f32, 64), (2048, bf, 1000),
                         (4096, torch.float16, 1000), (8192, bf, 1000), (512, bf, 1000), (5376, bf, 1000),
-                        (6144, bf, 300), (12288, bf, 300)]:
+                        (6144, bf, 300), (12288, bf, 300), (2048, f32, 1000), (3072, f32, 300), (4096, f32, 300),
+                        (256, f32, 1000)]:
         nv = n * dtype.itemsize // 16
         packs = {"rg,packs=1": 1, "rg,packs=2": 2}.get(knob, 1 if nv <= 768 else 2)
         fits = (nv + packs - 1) // packs <= (768 if packs == 1 else 608)
         forced = knob is not None and knob.startswith("rg") and fits
-        auto = knob == "auto" and sm90 and M > 256 and dtype != torch.float32 and 128 <= nv <= 768
+        auto = knob == "auto" and sm90 and M > 256 and 128 <= nv <= 768
         if not (knob is not None and knob.startswith("rg") or knob == "auto"):
             continue
         x, w = make((M, n), dtype, "cuda").requires_grad_(), w_of(n, dtype).requires_grad_()
