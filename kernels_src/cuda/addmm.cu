@@ -445,7 +445,7 @@ cublasLtHandle_t lt_handle([[maybe_unused]] int dev) {
 // (the reduction mask in build_plan): a decode-sized GEMM with a long K (the MLP's down projection at T = 64) then
 // gets the split-K kernels torch's mm gets (docs/tuning-log.md#lt-workspace-splitk). (The stable build does not see
 // torch.cuda's runtime workspace setters.)
-constexpr size_t kPlainGemmWorkspace = size_t{32} << 20;
+[[maybe_unused]] constexpr size_t kPlainGemmWorkspace = size_t{32} << 20;  // stable build only
 
 size_t lt_workspace_bytes([[maybe_unused]] const LtGemm& g) {
 #if defined(FUSED_MLP_STABLE_ABI)
