@@ -4,14 +4,15 @@
 // activation: "none", "gelu_tanh" (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))), "gelu" (0.5x(1+erf(x/sqrt2))).
 //
 // Numerics: the product goes through ATen's fp32 BLAS (mm on fp32 operands; bf16/fp16 inputs are widened
-// first, which is exact), so the accumulator is fp32 exactly as on the GPU; the bias and the activation are then
-// applied to that fp32 accumulator and the result is rounded once. Cost of "correct first": for bf16/fp16 inputs
-// both operands are widened to fp32 copies on every call (K*(M+N) extra fp32 elements written and read), and the
-// [M, N] fp32 accumulator is a temporary. fp32 inputs are used in place.
-// Backward: dZ = dY * act'(Z) in fp32 (Z = the saved pre-activation), db = column sums of dZ accumulated in
-// fp64 in a fixed order (independent of the thread count), dX = dZ @ mat2^T and dW = mat1^T @ dZ as fp32 GEMMs on
-// the fp32 dZ (unrounded: slightly more exact than the GPU path, whose GEMM operands must be in the input dtype),
-// each rounded once.
+// first, which is exact), so the accumulator is fp32 exactly as on the GPU; the bias and the activation (the fp32
+// GeLU forms of cpu/act_math.h, vectorised, a few fp32 ulp) are then applied to that fp32 accumulator and the result
+// is rounded once. Cost of "correct first": for bf16/fp16 inputs both operands are widened to fp32 copies on every
+// call (K*(M+N) extra fp32 elements written and read), and the [M, N] fp32 accumulator is a temporary. fp32 inputs
+// are used in place, and the GEMM writes an fp32 output directly (the epilogue then runs in place).
+// Backward: dZ = dY * act'(Z) in fp32 (Z = the saved pre-activation; act_math.h's derivative forms), db = column
+// sums of dZ accumulated in fp64 in a fixed order (independent of the thread count), dX = dZ @ mat2^T and
+// dW = mat1^T @ dZ as fp32 GEMMs on the fp32 dZ (unrounded: slightly more exact than the GPU path, whose GEMM operands
+// must be in the input dtype), each rounded once.
 //
 // Also home of the test hooks that force the CUDA path's cuBLASLt fallbacks and the sm_90 CUTLASS path's mode (this
 // file is compiled into every variant; the CUDA code reads the flags through torch_binding.h).
@@ -19,9 +20,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "activation.h"  // Act: the epilogue activation codes (shared with the CUDA backend)
+#include "cpu/act_math.h"  // the epilogue's fp32 GeLU (geglu.cpp's vectorised formulas) and the per-CPU copies
 #include "cpu/cpu_common.h"
 #include "torch_binding.h"
 
@@ -60,26 +63,101 @@ int addmm_sm90_override() { return g_sm90_override.load(std::memory_order_relaxe
 namespace fused_mlp::cpu {
 namespace {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kKappa = 0.044715f;
-constexpr float kSqrtHalf = 0.7071067811865476f;     // 1/sqrt(2)
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;   // 1/sqrt(2*pi)
-
-// The same formulas as PyTorch's gelu / gelu_backward (so NaN/Inf behave like the fp32 reference).
-inline float act_fwd(int act, float x) {
-  if (act == 1) return 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + kKappa * x * x * x)));
-  if (act == 2) return 0.5f * x * (1.f + std::erf(x * kSqrtHalf));
-  return x;
+// ---- the epilogue's element loops (fp32 in, one rounding out), compiled once per CPU copy (act_math.h) -----------
+// act(x) for the epilogue: act_math.h's fp32 GeLU forms (the gated kernels' math: a few fp32 ulp, vectorised), or x.
+template <Act A, bool kFma>
+FM_INLINE float epi_act(float x) {
+  if constexpr (A == Act::kNone) return x;
+  else return act_fwd<A, kFma>(x);
 }
 
-inline float act_grad(int act, float x) {
-  if (act == 1) {
-    const float x2 = x * x;
-    const float t = std::tanh(kSqrt2OverPi * (x + kKappa * x2 * x));
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kKappa * x2);
+// One row: v = acc + b (fp32), z = v rounded (training's saved pre-activation), y = act(v) rounded. y may be the
+// accumulator itself (fp32 output: the GEMM wrote into y), so acc and y are not __restrict.
+template <Act A, bool kFma, bool kBias, bool kZ, typename T>
+FM_INLINE void epi_fwd_row(const float* acc, const float* __restrict b, T* __restrict z, T* y, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (static_cast<const void*>(acc) == static_cast<const void*>(y)) {  // in place: one pointer, still vectorised
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = kBias ? y[i] + b[i] : y[i];
+        if constexpr (kZ) z[i] = v;
+        y[i] = epi_act<A, kFma>(v);
+      }
+      return;
+    }
   }
-  if (act == 2) return 0.5f * (1.f + std::erf(x * kSqrtHalf)) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
-  return 1.f;
+  const float* __restrict a_ = acc;
+  T* __restrict y_ = y;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = kBias ? a_[i] + b[i] : a_[i];
+    if constexpr (kZ) store(z + i, v);
+    store(y_ + i, epi_act<A, kFma>(v));
+  }
+}
+
+// One row of the backward: dz = dy * act'(z) in fp32.
+template <Act A, bool kFma, typename T, typename TD>
+FM_INLINE void epi_bwd_row(const TD* __restrict dy, const T* __restrict z, float* __restrict dz, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float a, da;
+    act_fwd_bwd<A, kFma>(load(z[i]), a, da);
+    dz[i] = load(dy[i]) * da;
+  }
+}
+
+template <Act A, bool kBias, bool kZ, typename T>
+FM_FAST_COPY void epi_fwd_row_fast(const float* acc, const float* b, T* z, T* y, int64_t n) {
+  epi_fwd_row<A, kFastCopyFma, kBias, kZ>(acc, b, z, y, n);
+}
+template <Act A, bool kBias, bool kZ, typename T>
+void epi_fwd_row_base(const float* acc, const float* b, T* z, T* y, int64_t n) {
+  epi_fwd_row<A, false, kBias, kZ>(acc, b, z, y, n);
+}
+template <Act A, typename T, typename TD>
+FM_FAST_COPY void epi_bwd_row_fast(const TD* dy, const T* z, float* dz, int64_t n) {
+  epi_bwd_row<A, kFastCopyFma>(dy, z, dz, n);
+}
+template <Act A, typename T, typename TD>
+void epi_bwd_row_base(const TD* dy, const T* z, float* dz, int64_t n) {
+  epi_bwd_row<A, false>(dy, z, dz, n);
+}
+#if defined(__x86_64__)
+template <Act A, bool kBias, bool kZ, typename T>
+FM_AVX512_COPY void epi_fwd_row_avx512(const float* acc, const float* b, T* z, T* y, int64_t n) {
+  epi_fwd_row<A, true, kBias, kZ>(acc, b, z, y, n);
+}
+template <Act A, typename T, typename TD>
+FM_AVX512_COPY void epi_bwd_row_avx512(const TD* dy, const T* z, float* dz, int64_t n) {
+  epi_bwd_row<A, true>(dy, z, dz, n);
+}
+#endif
+
+template <Act A, bool kBias, bool kZ, typename T>
+void epi_fwd_row_copy(CpuLevel copy, const float* acc, const float* b, T* z, T* y, int64_t n) {
+#if defined(__x86_64__)
+  if (copy == CpuLevel::kAvx512) return epi_fwd_row_avx512<A, kBias, kZ>(acc, b, z, y, n);
+#endif
+  if (copy == CpuLevel::kAvx2) epi_fwd_row_fast<A, kBias, kZ>(acc, b, z, y, n);
+  else epi_fwd_row_base<A, kBias, kZ>(acc, b, z, y, n);
+}
+
+template <Act A, typename T, typename TD>
+void epi_bwd_row_copy(CpuLevel copy, const TD* dy, const T* z, float* dz, int64_t n) {
+#if defined(__x86_64__)
+  if (copy == CpuLevel::kAvx512) return epi_bwd_row_avx512<A>(dy, z, dz, n);
+#endif
+  if (copy == CpuLevel::kAvx2) epi_bwd_row_fast<A>(dy, z, dz, n);
+  else epi_bwd_row_base<A>(dy, z, dz, n);
+}
+
+// f(std::integral_constant<Act, a>{}) for the epilogue's activations (none, tanh-GeLU, erf-GeLU).
+template <typename F>
+void dispatch_epi_act(Act a, F&& f) {
+  switch (a) {
+    case Act::kNone: f(std::integral_constant<Act, Act::kNone>{}); break;
+    case Act::kGeluTanh: f(std::integral_constant<Act, Act::kGeluTanh>{}); break;
+    case Act::kGeluErf: f(std::integral_constant<Act, Act::kGeluErf>{}); break;
+    case Act::kSilu: FM_CHECK(false, "fused_mlp: addmm has no silu epilogue"); break;
+  }
 }
 
 // fp64 -> fp32 rounded to odd: converting that to bf16/fp16 (round to nearest) is the correctly rounded fp64 value
@@ -162,25 +240,41 @@ std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, cons
   auto z = want_z ? fm::empty({M, N}, T, mat1) : fm::empty({0}, T, mat1);
   if (M == 0 || N == 0) return {y_out, z};
 
-  // fp32 accumulator [M, N] (contiguous): an fp32 GEMM of the (exactly) widened operands.
-  Tensor acc = K == 0 ? fm::zeros({M, N}, kFloat, mat1) : fm::mm(fm::to_dtype(mat1, kFloat), fm::to_dtype(mat2, kFloat));
+  // fp32 accumulator [M, N] (contiguous): an fp32 GEMM of the (exactly) widened operands; for fp32 output the GEMM
+  // writes y itself and the epilogue runs in place (no [M, N] temporary).
+  Tensor acc = y;
+  if (K == 0) {
+    acc = fm::zeros({M, N}, kFloat, mat1);
+  } else if (T == kFloat) {
+    Tensor yv = y;
+    fm::mm_out(yv, mat1, mat2);
+  } else {
+    acc = fm::mm(fm::to_dtype(mat1, kFloat), fm::to_dtype(mat2, kFloat));
+  }
   const std::vector<float> b = bias_row(bias, N);
   const float* acc_p = static_cast<const float*>(acc.const_data_ptr());
   const int64_t grain = std::max<int64_t>(1, 16384 / N);
-  fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(N);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* a = acc_p + r * N;
-      if (b.empty()) {
-        for (int64_t i = 0; i < N; ++i) row[i] = a[i];
-      } else {
-        for (int64_t i = 0; i < N; ++i) row[i] = a[i] + b[i];
-      }
-      if (want_z) store_row(row.data(), T, row_ptr_mut(z, r), N);
-      if (act != 0)
-        for (int64_t i = 0; i < N; ++i) row[i] = act_fwd(act, row[i]);
-      store_row(row.data(), T, row_ptr_mut(y, r), N);
-    }
+  const CpuLevel copy = cpu_copy();
+  dispatch_epi_act(static_cast<Act>(act), [&](auto ac) {
+    constexpr Act A = decltype(ac)::value;
+    dispatch_dtype(T, "mat1", [&](auto tt) {
+      using TT = decltype(tt);
+      auto rows = [&](auto kb, auto kz) {
+        constexpr bool kBias = decltype(kb)::value, kZ = decltype(kz)::value && A != Act::kNone;
+        fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r)
+            epi_fwd_row_copy<A, kBias, kZ, TT>(copy, acc_p + r * N, b.data(),
+                                               kZ ? reinterpret_cast<TT*>(row_ptr_mut(z, r)) : nullptr,
+                                               reinterpret_cast<TT*>(row_ptr_mut(y, r)), N);
+        });
+      };
+      auto with_z = [&](auto kb) {
+        if (want_z) rows(kb, std::true_type{});
+        else rows(kb, std::false_type{});
+      };
+      if (b.empty()) with_z(std::false_type{});
+      else with_z(std::true_type{});
+    });
   });
   return {y_out, z};
 }
@@ -212,13 +306,23 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cpu(
     const Tensor zc = preact->stride(1) == 1 || N <= 1 ? *preact : fm::contiguous(*preact);
     float* dz_p = static_cast<float*>(dz.data_ptr());
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
-    fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> zr(N);
-      for (int64_t r = begin; r < end; ++r) {
-        float* d = dz_p + r * N;
-        load_row(row_ptr(dyc, r), dyc.scalar_type(), d, N);
-        load_row(row_ptr(zc, r), T, zr.data(), N);
-        for (int64_t i = 0; i < N; ++i) d[i] *= act_grad(act, zr[i]);
+    const CpuLevel copy = cpu_copy();
+    dispatch_epi_act(static_cast<Act>(act), [&](auto ac) {
+      constexpr Act A = decltype(ac)::value;
+      if constexpr (A != Act::kNone) {
+        dispatch_dtype(T, "mat1", [&](auto tt) {
+          using TT = decltype(tt);
+          auto rows = [&](auto dt) {
+            using TD = decltype(dt);
+            fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+              for (int64_t r = begin; r < end; ++r)
+                epi_bwd_row_copy<A, TT, TD>(copy, reinterpret_cast<const TD*>(row_ptr(dyc, r)),
+                                            reinterpret_cast<const TT*>(row_ptr(zc, r)), dz_p + r * N, N);
+            });
+          };
+          if (dyc.scalar_type() == kFloat) rows(float{});
+          else rows(TT{});
+        });
       }
     });
   }
