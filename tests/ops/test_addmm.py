@@ -1091,31 +1091,35 @@ def _op_calls(fm, monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rank", [2, 3])
-def test_cpu_fp32_inference_is_atens_gemm(fm, monkeypatch, layout, bias, rank):
+def test_cpu_inference_is_atens_gemm(fm, monkeypatch, dtype, layout, bias, rank):
     """On the CPU the op computes an fp32 product with ATen's GEMM and then copies it into y (adding the bias) in a
-    second pass; in fp32 without an activation, inference (functional API and layers) calls F.linear instead: the
-    same GEMM with the bias added to its fp32 result, bit for bit torch's, without the op. bf16, an activation,
-    autocast or autograd keep the op."""
+    second pass, widening 16-bit operands to fp32 copies first; without an activation, inference (functional API and
+    layers) calls F.linear instead when x, w and the bias share a dtype: ATen's CPU GEMM accumulates in fp32 and
+    rounds once with the bias added first, which this test checks on the machine that runs it (a GEMM rounded
+    before the bias, or accumulated in 16 bits, fails assert_rounded_once at K = 4096 with a large bias). An
+    activation, autocast, autograd or a bias of another dtype keep the op."""
     from transformers.pytorch_utils import Conv1D
 
     calls = _op_calls(fm, monkeypatch)
-    x, w_kn, b = _make((37, 48, 40), torch.float32, "cpu", bias=bias, layout=layout)
+    x, w_kn, b = _make((29, 48, 40), torch.float32, "cpu", bias=bias, layout=layout)
+    x, w_kn, b = x.to(dtype), w_kn.to(dtype), (None if b is None else b.to(dtype))
     if rank == 3:
-        x = x.view(37, 1, 48)
+        x = x.view(29, 1, 48)
     expect = F.linear(x, w_kn.t(), b)
     with torch.no_grad():
         got = [_call(fm, layout, b, x, w_kn, None)]
         if layout == "linear":
-            mod = torch.nn.Linear(48, 40, bias=bias)
+            mod = torch.nn.Linear(48, 40, bias=bias, dtype=dtype)
             mod.weight.data, mod.bias = w_kn.t(), (torch.nn.Parameter(b) if bias else None)
             got.append(fm.layers.Linear.forward(mod, x))
         else:
-            mod = Conv1D(40, 48)
+            mod = Conv1D(40, 48).to(dtype)
             mod.weight.data = w_kn
-            mod.bias.data = b if bias else torch.zeros(40)
+            mod.bias.data = b if bias else torch.zeros(40, dtype=dtype)
             if not bias:
                 expect = F.linear(x, w_kn.t(), mod.bias)
                 got = [_call(fm, layout, mod.bias, x, w_kn, None)]
@@ -1123,13 +1127,32 @@ def test_cpu_fp32_inference_is_atens_gemm(fm, monkeypatch, layout, bias, rank):
     for g in got:
         assert g.shape == expect.shape and torch.equal(g, expect)
     assert calls == []
+    if dtype != torch.float32 and rank == 2:  # ATen's 16-bit GEMM: one rounding of the fp32 sum incl. the bias
+        xl, wl, bl = _make((31, 4096, 96), torch.float32, "cpu", seed=7, bias=bias, layout=layout)
+        xl, wl = xl.to(dtype), wl.to(dtype)
+        bl = None if bl is None else (4 * bl).to(dtype)
+        with torch.no_grad():
+            assert_rounded_once(_call(fm, layout, bl, xl, wl, None), bl, xl, wl, None)
+        assert calls == []
+        # above 32 rows: ATen's GEMM only where oneDNN runs the dtype natively, else the op's fp32 GEMM
+        native = sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
+        x40 = torch.cat([x, x[:11]])
+        with torch.no_grad():
+            assert_rounded_once(_call(fm, layout, b, x40, w_kn, None), b, x40, w_kn, None)
+        assert calls == ([] if native else ["_fwd_call"])
+        calls.clear()
+    # autocast casts every operand to its dtype (as for F.linear), which is then ATen's 16-bit GEMM too
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf = None if b is None else b.float()
+        assert torch.equal(_call(fm, layout, bf, x.float(), w_kn.float(), None),
+                           F.linear(x.float(), w_kn.float().t(), bf))
+    assert calls == []
     # the op where it is more than ATen's GEMM, or where autograd needs its Function
     with torch.no_grad():
         _call(fm, layout, b, x, w_kn, "gelu_tanh")
-        _call(fm, layout, None if b is None else b.bfloat16(), x.bfloat16(), w_kn.bfloat16(), None)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _call(fm, layout, b, x, w_kn, None)
-    assert calls == ["_fwd_call", "_fwd_call", "_fwd_call"]
+        if bias and dtype != torch.float32:
+            _call(fm, layout, b.float(), x, w_kn, None)  # an fp32 bias with 16-bit operands
+    assert calls == ["_fwd_call"] * (2 if bias and dtype != torch.float32 else 1)
     _call(fm, layout, b, x.requires_grad_(), w_kn, None)
     assert calls[-1] == "_fwd"
     if layout == "linear":  # a 1-D weight is still refused (F.linear would take it as a vector)

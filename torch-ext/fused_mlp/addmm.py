@@ -146,19 +146,50 @@ class _AddmmFunction(torch.autograd.Function):
 # ---- argument handling ------------------------------------------------------------------------------------
 
 
-def _cpu_fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
-    """CPU inference in fp32 without an activation (the caller checks those two): the op would run ATen's fp32 GEMM
-    and then copy its fp32 accumulator into y (adding the bias) in a second pass, so ``F.linear`` (the same GEMM, the
-    bias added to its fp32 result: all fp32) is the same math without the op's copy, its extra [M, N] buffer and the
-    custom-op boundary (docs/tuning-log.md#addmm-cpu-fp32)."""
-    return (x.device.type == "cpu" and x.dtype is _F32 and w.dtype is _F32
-            and (bias is None or (bias.dtype is _F32 and bias.dim() == 1 and bias.shape[0] == n)))
+_CPU_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# 16-bit rows up to which ATen's GEMM beats the op's fp32 copy of the weight where oneDNN has no native kernel for
+# the dtype (fp16 on an AVX-512 CPU without FP16: 0.78-0.86x the op's time at 32 rows, 1.26x at 64).
+_CPU_16BIT_ATEN_MAX_ROWS = 32
+_ONEDNN_NATIVE: dict[torch.dtype, bool] = {}
 
 
-def cpu_fp32_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
-    """For the layers (plain tensors): an eager fp32 CPU call without autograd or autocast, which they hand to
-    ``F.linear`` directly (see `_cpu_fp32_gemm`). The callers test ``x``'s dtype and device inline first."""
-    return (not _is_compiling() and not _any_autocast() and _cpu_fp32_gemm(x, w, bias, n)
+def _onednn_native(dt: torch.dtype) -> bool:
+    """Does this CPU's oneDNN run dt's GEMM natively (then ATen's 16-bit GEMM beats the op's widened one at any
+    size)? Feature-detected once per dtype; False where torch has no such probe."""
+    v = _ONEDNN_NATIVE.get(dt)
+    if v is None:
+        name = "_is_mkldnn_bf16_supported" if dt is torch.bfloat16 else "_is_mkldnn_fp16_supported"
+        try:
+            v = bool(getattr(torch.ops.mkldnn, name)())
+        except Exception:  # no such op in this torch build
+            v = False
+        _ONEDNN_NATIVE[dt] = v
+    return v
+
+
+def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """CPU inference without an activation (the caller checks those two), x, w and the bias (if any, [N]) of one
+    dtype: ATen's CPU GEMM accumulates in fp32 and rounds each output once, the bias added before that rounding --
+    the op's own math -- so ``F.linear`` computes it without the op's copies: in fp32 the op's second pass and extra
+    [M, N] buffer (docs/tuning-log.md#addmm-cpu-fp32); in bf16 / fp16 the fp32 copy of the whole weight it makes on
+    every call (0.07x eager at 1-16 rows), where ATen's 16-bit GEMM is the faster one: up to
+    _CPU_16BIT_ATEN_MAX_ROWS rows, or at any size where oneDNN runs the dtype natively
+    (docs/tuning-log.md#addmm-cpu-epilogue). test_cpu_inference_is_atens_gemm checks the one rounding on the machine
+    that runs it."""
+    dt = x.dtype
+    if not (x.device.type == "cpu" and dt in _CPU_GEMM_DTYPES and w.dtype is dt
+            and (bias is None or (bias.dtype is dt and bias.dim() == 1 and bias.shape[0] == n))):
+        return False
+    if dt is _F32:
+        return True
+    k = x.shape[-1]
+    return (x.numel() // k if k else 0) <= _CPU_16BIT_ATEN_MAX_ROWS or _onednn_native(dt)
+
+
+def cpu_gemm_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """For the layers (plain tensors): an eager CPU call without autograd or autocast, which they hand to
+    ``F.linear`` directly (see `_cpu_aten_gemm`). The callers test ``x``'s device inline first."""
+    return (not _is_compiling() and not _any_autocast() and _cpu_aten_gemm(x, w, bias, n)
             and not (_grad_enabled() and (x.requires_grad or w.requires_grad
                                           or (bias is not None and bias.requires_grad))))
 
@@ -227,7 +258,7 @@ def _addmm_impl(
                         if bias is None and _use_linear_decode(x2, w_kn):
                             y = _linear_decode_call(x2, w_kn.t())
                             return y if x_dim == 2 else y.view(out_shape)
-                    elif _cpu_fp32_gemm(x, w_kn, bias, w_kn.shape[1]):
+                    elif _cpu_aten_gemm(x, w_kn, bias, w_kn.shape[1]):
                         return F.linear(x, w_kn.t(), bias)
                 return _fwd_call(bias, x2, w_kn, op_act, False, out_shape)[0]
             except _FALLBACK_ERRORS:
@@ -287,7 +318,7 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
-        if act == "none" and not torch.compiler.is_compiling() and _cpu_fp32_gemm(x2, w2, bias, n):
+        if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_gemm(x2, w2, bias, n):
             return F.linear(x2, w2.t(), bias).view(out_shape)
         if bias is None and act == "none":
             if _use_linear_decode(x2, w2):

@@ -9,12 +9,11 @@ from torch import nn
 
 from ._common import GELU_APPROXIMATE, autocast_dtype, dtensor_type, is_plain, warn_once
 from .addmm import addmm as _addmm
-from .addmm import cpu_fp32_inference as _cpu_fp32_inference
+from .addmm import cpu_gemm_inference as _cpu_gemm_inference
 from .addmm import linear as _linear
 from .gated_mlp import _gated_mlp
 from .rms_norm import _rms_norm_layer_call, rms_norm
 
-_F32 = torch.float32
 
 __all__ = ["RMSNorm", "GemmaRMSNorm", "GeGLUMLP", "Linear", "Conv1D"]
 
@@ -214,8 +213,8 @@ class Linear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = _weight_and_bias(self)
         if is_plain(input) and is_plain(weight) and (bias is None or is_plain(bias)):
-            if (input.dtype is _F32 and not input.is_cuda and weight.dim() == 2  # GPU calls: two attribute reads
-                    and _cpu_fp32_inference(input, weight, bias, weight.shape[0])):  # ATen's fp32 GEMM either way
+            if (not input.is_cuda and weight.dim() == 2  # GPU calls: one attribute read
+                    and _cpu_gemm_inference(input, weight, bias, weight.shape[0])):  # ATen's GEMM either way
                 return F.linear(input, weight, bias)
             return _linear(input, weight, bias)
         return _module_forward(self, input, "a DTensor or other tensor subclass operand")
@@ -232,8 +231,8 @@ class Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = _weight_and_bias(self)
         if is_plain(x) and is_plain(weight) and (bias is None or is_plain(bias)):
-            if (x.dtype is _F32 and not x.is_cuda and weight.dim() == 2
-                    and _cpu_fp32_inference(x, weight, bias, weight.shape[1])):  # as Linear's
+            if (not x.is_cuda and weight.dim() == 2
+                    and _cpu_gemm_inference(x, weight, bias, weight.shape[1])):  # as Linear's
                 return F.linear(x, weight.t(), bias)
             return _addmm(bias, x, weight)
         return _module_forward(self, x, "a DTensor or other tensor subclass operand")
