@@ -261,6 +261,9 @@ std::tuple<Tensor, Tensor> addmm_fwd_cpu(const std::optional<Tensor>& bias, cons
       using TT = decltype(tt);
       auto rows = [&](auto kb, auto kz) {
         constexpr bool kBias = decltype(kb)::value, kZ = decltype(kz)::value && A != Act::kNone;
+        if constexpr (A == Act::kNone && !kBias) {
+          if (acc_p == y.const_data_ptr()) return;  // the GEMM wrote y: nothing left to apply (no z without an act)
+        }
         fm::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r)
             epi_fwd_row_copy<A, kBias, kZ, TT>(copy, acc_p + r * N, b.data(),
