@@ -278,6 +278,22 @@ __global__ void column_sum_finalize_kernel(const double* __restrict__ partial, i
 // Host helpers
 // ---------------------------------------------------------------------------------------------------------------
 
+// Row chunks of the backward column pass (col_tiles x chunks blocks, `slots` of them resident at once): the fewest
+// whose grid fills >= 90% of its waves, else the best fill up to 4 waves' worth of blocks (more chunks: more fp64
+// partials to add). A grid of 1.4 waves ran the pass at ~2/3 of its bandwidth -- docs/tuning-log.md#addmm-bwd-colsum
+int64_t colsum_chunks(int64_t col_tiles, int64_t max_chunks, int64_t slots) {
+  const int64_t limit = std::min<int64_t>(max_chunks, std::max<int64_t>(1, 4 * slots / col_tiles));
+  int64_t best = 1;
+  double best_fill = 0.0;
+  for (int64_t c = 1; c <= limit; ++c) {
+    const int64_t blocks = col_tiles * c;
+    const double fill = static_cast<double>(blocks) / static_cast<double>(((blocks + slots - 1) / slots) * slots);
+    if (fill >= 0.9) return c;
+    if (fill > best_fill) best = c, best_fill = fill;
+  }
+  return best;
+}
+
 int device_sm_count(int device) {
   static int cached[64] = {0};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
@@ -379,8 +395,8 @@ struct PlanKeyHash {
 // kAutotune*: opt-in timing of the heuristic's top candidates (see autotune_plan): its first pick is not always
 //   the fastest on large GEMMs. Only for GEMMs of >= 8.6 GFLOP (>= ~12 us), where one-time tuning (~8 candidates
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
-// Not measured yet: the backward grid (4 blocks per SM target, 32 x 8 tiles) and the bias/activation kernel grid
-//   (8 blocks per SM, grid-stride) -- docs/tuning-log.md#addmm-grids
+// The backward column pass's grid: whole waves of its resident blocks (colsum_chunks). Not swept: its 32 x 8 tiles
+//   and the bias/activation kernel grid (8 blocks per SM, grid-stride; <= 32 registers: 8 fit) -- docs/tuning-log.md#addmm-grids
 // kSm90MinTiles / kSm90MinMBiasOnly: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation take the
 //   sm_90 CUTLASS kernel (addmm_sm90.cu) from 256 output tiles of 128 x 128 (about two waves on an H200; below, it
 //   lost to the cuBLASLt fp32-accumulator path at every measured shape: 0.50-1.02x), bias-only ones (cuBLASLt's
@@ -946,16 +962,11 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
                          (act == kActNone || reinterpret_cast<uintptr_t>(zc.const_data_ptr()) % 16 == 0);
     const int64_t tile = use_vec ? kColTile * vec : kColTile;
     const int64_t col_tiles = (N + tile - 1) / tile;
-    const int64_t target_blocks = static_cast<int64_t>(device_sm_count(device_index(mat1_in))) * 4;
-    int64_t chunks = need_db ? std::clamp<int64_t>((target_blocks + col_tiles - 1) / col_tiles, 1,
-                                                  (M + kRowLanes - 1) / kRowLanes)
-                             : std::min<int64_t>(65535, (M + kRowLanes * 16 - 1) / (kRowLanes * 16));
-    const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
-    chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
-    FM_CHECK(col_tiles <= 0x7fffffff && chunks <= 65535, "fused_mlp: addmm backward grid too large");
-    Tensor partial = need_db ? fused_mlp::empty({chunks, N}, kDouble, mat1_in) : Tensor();
-    const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
+    FM_CHECK(col_tiles <= 0x7fffffff, "fused_mlp: addmm backward grid too large");
+    const int device = device_index(mat1_in);
     const dim3 block(kColTile, kRowLanes);
+    Tensor partial;
+    int64_t chunks = 0;
     dispatch_float(T, "input", [&](auto tt) {
       using TT = decltype(tt);
       constexpr int VEC = 16 / static_cast<int>(sizeof(TT));
@@ -964,17 +975,22 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
         const TD* dyp = static_cast<const TD*>(dy.const_data_ptr());
         const TT* zp = act != kActNone ? static_cast<const TT*>(zc.const_data_ptr()) : nullptr;
         TT* dzp = write_dz ? static_cast<TT*>(dz.data_ptr()) : nullptr;
-        double* pp = need_db ? static_cast<double*>(partial.data_ptr()) : nullptr;
         const int64_t ldy = gemm_ld(dy);
         auto launch = [&](auto act_tag) {
           constexpr int A = decltype(act_tag)::value;
-          if (use_vec) {
-            act_bwd_colsum_vec_kernel<TD, TT, TT, A, VEC><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
-                                                                                     rows_per_chunk);
-          } else {
-            act_bwd_colsum_kernel<TD, TT, TT, A><<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N,
-                                                                            rows_per_chunk);
-          }
+          const auto kernel = use_vec ? act_bwd_colsum_vec_kernel<TD, TT, TT, A, VEC> : act_bwd_colsum_kernel<TD, TT, TT, A>;
+          const int64_t slots = static_cast<int64_t>(device_sm_count(device)) *
+                                resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), device,
+                                                       kColTile * kRowLanes);
+          chunks = need_db ? colsum_chunks(col_tiles, (M + kRowLanes - 1) / kRowLanes, slots)
+                           : std::min<int64_t>(65535, (M + kRowLanes * 16 - 1) / (kRowLanes * 16));
+          const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
+          chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
+          FM_CHECK(chunks <= 65535, "fused_mlp: addmm backward grid too large");
+          if (need_db) partial = fused_mlp::empty({chunks, N}, kDouble, mat1_in);
+          double* pp = need_db ? static_cast<double*>(partial.data_ptr()) : nullptr;
+          const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
+          kernel<<<grid, block, 0, stream>>>(dyp, ldy, zp, dzp, pp, M, N, rows_per_chunk);
         };
         if (act == kActGeluTanh) {
           launch(std::integral_constant<int, kActGeluTanh>{});

@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "torch_compat.h"
@@ -192,6 +195,25 @@ void dispatch_base_or_float(ScalarType t, const char* what, F&& f) {
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Host: blocks of `threads` threads (and `smem` bytes of dynamic shared memory) of `kernel` resident at once on one
+// SM of the current device `device` (the occupancy API; cached, a query costs microseconds). At least 1.
+inline int resident_blocks_per_sm(const void* kernel, int device, int threads, size_t smem = 0) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
+  const auto key = std::make_tuple(kernel, device, threads, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  int per_sm = 0;
+  FM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  per_sm = per_sm > 0 ? per_sm : 1;
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = per_sm;
+  return per_sm;
+}
 
 // Host: the ",<key>=<int>" value of a tuning knob's string (`absent` when the key is not there or its value is not a
 // number: "wpre=on" must not read as 0).

@@ -25,9 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
-#include <map>
 #include <type_traits>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -239,21 +237,9 @@ int sm_count(int device) {
   return n;
 }
 
-// Blocks of kThreads that fit on the device at once for `kernel` (occupancy API, cached: it costs microseconds).
+// Blocks of kThreads that fit on the device at once for `kernel`.
 int resident_blocks(const void* kernel, int device) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find({kernel, device});
-    if (it != cache.end()) return it->second;
-  }
-  int per_sm = 0;
-  FM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  const int blocks = std::max(1, per_sm) * sm_count(device);
-  std::lock_guard<std::mutex> lock(mu);
-  cache[{kernel, device}] = blocks;
-  return blocks;
+  return resident_blocks_per_sm(kernel, device, kThreads) * sm_count(device);
 }
 
 int grid_for(const void* kernel, int device, uint32_t n_packs, int unroll = kUnroll) {
