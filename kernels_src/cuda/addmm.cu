@@ -9,9 +9,8 @@
 // forward runs a CUTLASS 3 GEMM with bias + activation in its epilogue instead of cuBLASLt: the same fp32 math
 // (kernels_src/cuda/addmm_act.cuh), one rounding, and Z in training, without the fp32 [M, N] round trip of the
 // exact path below. FUSED_MLP_ADDMM_SM90 (read once; the private op _addmm_sm90_mode overrides it) picks: auto (the
-// default: >= kSm90MinTiles output tiles with an activation, and M >= kSm90MinMBiasOnly with a bias only), on (wherever it can
-// run), off (cuBLASLt always),
-// pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
+// default: >= kSm90MinTiles output tiles with an activation; without one cuBLASLt's BIAS epilogue, also one rounding),
+// on (wherever it can run), off (cuBLASLt always), pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
 // bypasses it. Everything else, and the backward, is the cuBLASLt path described here.
 //
 // ---- Layout mapping (cuBLASLt is column-major; a row-major [R, C] tensor is a column-major C x R matrix) ----
@@ -397,13 +396,11 @@ struct PlanKeyHash {
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
 // The backward column pass's grid: whole waves of its resident blocks (colsum_chunks). Not swept: its 32 x 8 tiles
 //   and the bias/activation kernel grid (8 blocks per SM, grid-stride; <= 32 registers: 8 fit) -- docs/tuning-log.md#addmm-grids
-// kSm90MinTiles / kSm90MinMBiasOnly: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation take the
-//   sm_90 CUTLASS kernel (addmm_sm90.cu) from 256 output tiles of 128 x 128 (about two waves on an H200; below, it
-//   lost to the cuBLASLt fp32-accumulator path at every measured shape: 0.50-1.02x), bias-only ones (cuBLASLt's
-//   one-rounding BIAS epilogue) also need 8192 rows (1.04-1.06x at M 8192; even at 4096^3)
-//   -- docs/tuning-log.md#addmm-sm90-epilogue
+// kSm90MinTiles: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation take the sm_90 CUTLASS kernel
+//   (addmm_sm90.cu) from 256 output tiles of 128 x 128 (about two waves on an H200; below, it lost to the cuBLASLt
+//   fp32-accumulator path at every measured shape: 0.50-1.02x); bias-only ones keep cuBLASLt's one-rounding BIAS
+//   epilogue (the CUTLASS kernel: 0.83-0.94x its time, L2 flushed) -- docs/tuning-log.md#addmm-sm90-epilogue
 constexpr int64_t kSm90MinTiles = 256;
-constexpr int64_t kSm90MinMBiasOnly = 8192;
 constexpr size_t kMaxPlans = 4096;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;
@@ -825,8 +822,7 @@ std::tuple<Tensor, Tensor> addmm_fwd_checked(const std::optional<Tensor>& bias_i
     const Sm90Mode sm = addmm_sm90_mode();
     const int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128);
     const bool wanted = sm == Sm90Mode::kAuto
-                            ? tiles >= kSm90MinTiles &&
-                                  (act != kActNone || (bias.has_value() && M >= kSm90MinMBiasOnly))
+                            ? tiles >= kSm90MinTiles && act != kActNone
                             : sm != Sm90Mode::kOff;
     if (wanted && addmm_sm90_available(device_index(mat1_in))) {
       AddmmSm90Args s;

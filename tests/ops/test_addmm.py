@@ -981,17 +981,17 @@ def test_sm90_training(fm, act, dtype, layout):
 
 @requires_sm90
 def test_sm90_dispatch_rule(fm):
-    """auto: from 256 output tiles of 128 x 128 with an activation, and from M = 8192 with a bias only; on: wherever
-    runnable; off: never. Operands the kernel cannot take (N % 8 != 0, a misaligned row stride, fp32) keep cuBLASLt,
+    """auto: from 256 output tiles of 128 x 128 with an activation (a bias only keeps cuBLASLt's BIAS epilogue); on:
+    wherever runnable; off: never. Operands the kernel cannot take (N % 8 != 0, a misaligned row stride, fp32) keep cuBLASLt,
     with the same numerics."""
     x, w_kn, b = _make((8192, 256, 512), torch.bfloat16, "cuda")  # N = 512: 4 tile columns, 256 tiles from M = 8065
     runs = lambda *a, act="gelu": _sm90_kernel_ran(lambda: fm.addmm(*a, activation=act))  # noqa: E731
     with _sm90_mode(fm, "auto"):
-        assert runs(b, x, w_kn) and runs(b, x, w_kn, act=None) and runs(None, x, w_kn)
+        assert runs(b, x, w_kn) and runs(None, x, w_kn)
+        assert not runs(b, x, w_kn, act=None)  # bias only: cuBLASLt's BIAS epilogue
         assert runs(b, x[:8065], w_kn) and runs(None, x[:8065], w_kn, act="gelu_tanh")
         assert not runs(None, x, w_kn, act=None)  # plain mm: cuBLASLt
         assert not runs(b, x[:8064], w_kn) and not runs(b, x[:256], w_kn)  # below the tile threshold
-        assert not runs(b, x[:8191], w_kn, act=None)  # bias only: below its row threshold
         xw, ww, bw = _make((256, 256, 16384), torch.bfloat16, "cuda")  # 2 x 128 tiles: M = 256 qualifies here
         assert runs(bw, xw, ww) and not runs(bw, xw[:128], ww)
     with _sm90_mode(fm, "on"):
