@@ -10,9 +10,13 @@ all): ``ours-cutlass`` (on, default config), ``ours-pingpong`` / ``ours-cooperat
 ``ours-cublaslt`` (off: cuBLASLt, FUSED_MLP_ADDMM_SM90=off), ``torch._addmm_activation`` (bias, x, W^T,
 use_gelu=True: cuBLASLt's tanh-GeLU epilogue; only with --act gelu_tanh), ``torch.mm`` (x @ W^T alone, no bias, no
 activation: the ceiling), ``unfused`` (F.gelu(F.linear(x, W, b))). Shapes are M x K x N (x [M, K], weight [N, K],
-or [K, N] with --layout conv1d). Per round each provider runs --iters calls between two CUDA events after a warm-up,
-in an order rotated every round (a fixed order read the same kernel 14% apart in first and second place at
-8192 x 4096 x 14336 on the H200, where a round's sustained GEMMs lower the clock);
+or [K, N] with --layout conv1d). Per round each provider runs --iters calls after a warm-up, in an order rotated
+every round (a fixed order read the same kernel 14% apart in first and second place at 8192 x 4096 x 14336 on the
+H200, where a round's sustained GEMMs lower the clock). ``--l2 cold`` (the default) zeroes a 256 MB buffer before
+each call and times each call between its own two CUDA events, as the sweep's do_bench does and as a model's
+distinct layers see their weights; ``--l2 warm`` times the --iters calls back to back between two events, on the
+same operands (partly L2-resident: on an H100 that put the bias-only CUTLASS kernel ahead of cuBLASLt where the cold
+timing has it 0.83-0.94x, docs/tuning-log.md#addmm-sm90-epilogue);
 the table shows the median over rounds as TFLOP/s, the ratio to torch.mm and to torch._addmm_activation, and the
 max |error| against an fp64 reference (torch.mm's error is against x @ W^T). Targets (issue 28):
 ours-cutlass >= 0.98 x torch.mm and >= torch._addmm_activation at every shape, error <= torch's fused op.
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--providers", help="comma-separated subset")
+    ap.add_argument("--l2", default="cold", choices=["cold", "warm"],
+                    help="cold: L2 flushed before every call (default); warm: back-to-back calls")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("needs an sm_90 GPU")
@@ -56,6 +62,7 @@ def main() -> None:
     act = None if args.act == "none" else args.act
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     torch.backends.cuda.matmul.allow_tf32 = False
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.l2 == "cold" else None
     rows = []
     try:
         for m, k, n in shapes:
@@ -91,6 +98,8 @@ def main() -> None:
             del z64, ref_mm, ref
             times: dict[str, list[float]] = {p: [] for p in providers}
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            stops = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             names = list(providers)
             for r in range(args.rounds):  # interleaved: every provider once per round, the order rotated per round
                 for name in names[r % len(names):] + names[:r % len(names)]:
@@ -99,6 +108,15 @@ def main() -> None:
                         ops._addmm_sm90_mode(mode)
                     for _ in range(3):
                         fn()
+                    if args.l2 == "cold":
+                        for i in range(args.iters):
+                            flush.zero_()
+                            starts[i].record()
+                            fn()
+                            stops[i].record()
+                        stops[-1].synchronize()
+                        times[name].append(sum(a.elapsed_time(b) for a, b in zip(starts, stops)) / args.iters)
+                        continue
                     start.record()
                     for _ in range(args.iters):
                         fn()
@@ -107,13 +125,14 @@ def main() -> None:
                     times[name].append(start.elapsed_time(stop) / args.iters)
             flop = 2.0 * m * n * k
             med = {p: statistics.median(v) for p, v in times.items()}
-            print(f"\n{m} x {k} x {n} (M x K x N), {args.dtype}, {args.act}, {args.layout}")
+            print(f"\n{m} x {k} x {n} (M x K x N), {args.dtype}, {args.act}, {args.layout}, L2 {args.l2}")
             print(f"  {'provider':26s} {'ms':>8s} {'TFLOP/s':>8s} {'/mm':>6s} {'/torch':>7s} {'max err':>10s}")
             for p, t in med.items():
                 vs_mm = med["torch.mm"] / t if "torch.mm" in med else float("nan")
                 vs_t = med["torch._addmm_activation"] / t if "torch._addmm_activation" in med else float("nan")
                 print(f"  {p:26s} {t:8.4f} {flop / t / 1e9:8.1f} {vs_mm:6.3f} {vs_t:7.3f} {err[p]:10.3g}")
                 rows.append({"M": m, "K": k, "N": n, "dtype": args.dtype, "act": args.act, "layout": args.layout,
+                             "l2": args.l2,
                              "provider": p, "ms": f"{t:.5f}", "tflops": f"{flop / t / 1e9:.1f}",
                              "vs_mm": f"{vs_mm:.4f}", "vs_torch_fused": f"{vs_t:.4f}", "max_err": f"{err[p]:.4g}",
                              "rounds_ms": " ".join(f"{v:.5f}" for v in times[p])})
