@@ -338,6 +338,8 @@ def test_backward_gets_no_zero_filled_preactivation_gradient(fm, device, act, mo
 
     monkeypatch.setattr(fn, "backward", staticmethod(spy))
     x, w_kn, b = _make((24, 32, 16), torch.bfloat16, device)
+    if act is None:  # an fp32 bias keeps the Function where bf16 would take ATen's ops (test_cpu_16bit_training_is_atens)
+        b = b.float()
     w = w_kn.t().contiguous().requires_grad_()
     y = fm.linear(x, w, b, activation=act)
     y.float().sum().backward()
@@ -1153,10 +1155,55 @@ def test_cpu_inference_is_atens_gemm(fm, monkeypatch, dtype, layout, bias, rank)
         if bias and dtype != torch.float32:
             _call(fm, layout, b.float(), x, w_kn, None)  # an fp32 bias with 16-bit operands
     assert calls == ["_fwd_call"] * (2 if bias and dtype != torch.float32 else 1)
-    _call(fm, layout, b, x.requires_grad_(), w_kn, None)
-    assert calls[-1] == "_fwd"
+    before = len(calls)
+    _call(fm, layout, b, x.requires_grad_(), w_kn, None)  # training: test_cpu_16bit_training_is_atens
+    native16 = dtype != torch.float32 and sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
+    assert calls[before:] == ([] if native16 else ["_fwd"])
     if layout == "linear":  # a 1-D weight is still refused (F.linear would take it as a vector)
         bad = torch.nn.Linear(48, 40, bias=False)
         bad.weight = torch.nn.Parameter(torch.randn(48))
         with torch.no_grad(), pytest.raises(ValueError, match="2-D"):
             fm.layers.Linear.forward(bad, x.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_16bit_training_is_atens(fm, monkeypatch, dtype, layout, bias):
+    """16-bit CPU training without an activation, where oneDNN runs the dtype natively: F.linear and ATen's backward
+    (the op would widen x, w and dY to fp32 copies for every GEMM). The same bits as eager, and each of y, dX, dW and
+    db one rounding of its fp32 accumulation, checked on the machine that runs it with a long reduction for each
+    (K, N and M = 4096: a GEMM or a sum accumulated in 16 bits fails the bound there). Without native oneDNN (ATen's
+    fp16 GEMMs are 17-156x the op's time there), with an activation or an fp32 bias: the op's Function."""
+    native = sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
+    calls = _op_calls(fm, monkeypatch)
+    for i, (m, k, n) in enumerate([(31, 4096, 96), (4096, 64, 40), (64, 32, 4096)]):
+        x, w_kn, b = _make((m, k, n), torch.float32, "cpu", seed=3 + i, bias=bias, layout=layout)
+        x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
+        b = None if b is None else (4 * b).to(dtype).requires_grad_()
+        dy = torch.randn(m, n, generator=torch.Generator().manual_seed(i)).to(dtype)
+        y = _call(fm, layout, b, x, w_kn, None)
+        y.backward(dy)
+        if not native:
+            assert calls == ["_fwd"]
+            calls.clear()
+            continue
+        assert calls == []
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w_kn) + ((b,) if bias else ())]
+        y_eager = F.linear(leaves[0], leaves[1].t(), leaves[2] if bias else None)
+        y_eager.backward(dy)
+        assert torch.equal(y, y_eager)
+        for got, want in zip((x, w_kn) + ((b,) if bias else ()), leaves):
+            assert torch.equal(got.grad, want.grad)
+        xd, wd = x.detach(), w_kn.detach()
+        assert_rounded_once(y.detach(), None if b is None else b.detach(), xd, wd, None, name="y")
+        assert_rounded_once(x.grad, None, dy, wd.t(), None, name="dX")
+        assert_rounded_once(w_kn.grad, None, xd.t(), dy, None, name="dW")
+        if bias:
+            assert_rounded_once(b.grad.unsqueeze(0), None, torch.ones(1, m, dtype=dtype), dy, None, name="db")
+    x, w_kn, b = _make((8, 16, 24), torch.float32, "cpu", bias=True, layout=layout)  # an activation, an fp32 bias
+    x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype)
+    calls.clear()
+    _call(fm, layout, b.to(dtype), x, w_kn, "gelu_tanh")
+    _call(fm, layout, b, x, w_kn, None)
+    assert calls == ["_fwd", "_fwd"]

@@ -186,6 +186,18 @@ def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     return (x.numel() // k if k else 0) <= _CPU_16BIT_ATEN_MAX_ROWS or _onednn_native(dt)
 
 
+def _cpu_aten_training(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """CPU training without an activation, x, w and the bias (if any, [N]) of one 16-bit dtype that oneDNN runs
+    natively: ``F.linear`` and ATen's backward -- dX and dW from 16-bit GEMMs that accumulate in fp32 and round once,
+    db a sum accumulated in fp32 and rounded once: the op's own math without the fp32 copies of x, w and dY it makes
+    for every GEMM (0.18-0.33x eager: docs/tuning-log.md#addmm-cpu-epilogue). An fp32 gradient arriving at y is
+    rounded to y's dtype first, as in eager. test_cpu_16bit_training_is_atens checks the roundings on the machine that
+    runs it. fp32 keeps the op (its bias gradient sums in fp64); so does fp16 without native oneDNN (ATen's fp16
+    GEMMs there: 17-156x the op's time)."""
+    dt = x.dtype
+    return dt is not _F32 and x.device.type == "cpu" and _onednn_native(dt) and _cpu_aten_gemm(x, w, bias, n)
+
+
 def cpu_gemm_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """For the layers (plain tensors): an eager CPU call without autograd or autocast, which they hand to
     ``F.linear`` directly (see `_cpu_aten_gemm`). The callers test ``x``'s device inline first."""
@@ -250,6 +262,8 @@ def _addmm_impl(
                 x2 = x if x_dim == 2 else x.flatten(0, -2)
                 out_shape = [x.shape[0], w_kn.shape[1]] if x_dim == 2 else [*x.shape[:-1], w_kn.shape[1]]
                 if training:
+                    if op_act == "none" and not x.is_cuda and _cpu_aten_training(x, w_kn, bias, w_kn.shape[1]):
+                        return F.linear(x, w_kn.t(), bias)
                     w2, dw_transposed = _mat2_layout(w_kn)
                     return _AddmmFunction.apply(bias, x2, w2, op_act, op_act != "none", dw_transposed,
                                                 out_shape)[0]
@@ -329,6 +343,8 @@ def _addmm_impl(
                     return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
+    if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_training(x, w_kn, bias, n):
+        return F.linear(x, w_kn.t(), bias)
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)
     return y
 
