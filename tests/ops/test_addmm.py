@@ -1150,20 +1150,59 @@ def test_cpu_inference_is_atens_gemm(fm, monkeypatch, dtype, layout, bias, rank)
                            F.linear(x.float(), w_kn.float().t(), bf))
     assert calls == []
     # the op where it is more than ATen's GEMM, or where autograd needs its Function
+    addmm_mod = sys.modules[fm.__name__ + ".addmm"]
+    native16 = dtype != torch.float32 and addmm_mod._onednn_native(dtype)
     with torch.no_grad():
-        _call(fm, layout, b, x, w_kn, "gelu_tanh")
+        _call(fm, layout, b, x, w_kn, "gelu_tanh")  # oneDNN where native: test_cpu_16bit_gelu_inference_is_onednn
         if bias and dtype != torch.float32:
             _call(fm, layout, b.float(), x, w_kn, None)  # an fp32 bias with 16-bit operands
-    assert calls == ["_fwd_call"] * (2 if bias and dtype != torch.float32 else 1)
+    gelu_op = 0 if native16 and addmm_mod._LINEAR_POINTWISE is not None else 1
+    assert calls == ["_fwd_call"] * (gelu_op + (1 if bias and dtype != torch.float32 else 0))
     before = len(calls)
     _call(fm, layout, b, x.requires_grad_(), w_kn, None)  # training: test_cpu_16bit_training_is_atens
-    native16 = dtype != torch.float32 and sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
     assert calls[before:] == ([] if native16 else ["_fwd"])
     if layout == "linear":  # a 1-D weight is still refused (F.linear would take it as a vector)
         bad = torch.nn.Linear(48, 40, bias=False)
         bad.weight = torch.nn.Parameter(torch.randn(48))
         with torch.no_grad(), pytest.raises(ValueError, match="2-D"):
             fm.layers.Linear.forward(bad, x.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu"])
+def test_cpu_16bit_gelu_inference_is_onednn(fm, monkeypatch, dtype, layout, bias, act):
+    """16-bit CPU inference with a GeLU, where oneDNN runs the dtype natively: oneDNN's linear with a GeLU post-op
+    (bias + GeLU on its fp32 accumulator, one rounding), not the op's fp32 copy of the weight. Checked here on the
+    machine that runs it: one rounding at K = 2048 over 131072 outputs with a bias 4x the products (the unfused eager
+    form, two roundings, fails the same bound), and the GeLU form itself on fp32 operands (tanh and erf differ by up to 5e-4,
+    far above fp32's bound). Without native oneDNN or without that op: the op."""
+    addmm_mod = sys.modules[fm.__name__ + ".addmm"]
+    lp = addmm_mod._LINEAR_POINTWISE
+    native = addmm_mod._onednn_native(dtype) and lp is not None
+    calls = _op_calls(fm, monkeypatch)
+    x, w_kn, b = _make((16, 2048, 8192), torch.float32, "cpu", seed=11, bias=bias, layout=layout)
+    x, w_kn = x.to(dtype), w_kn.to(dtype)
+    b = None if b is None else (4 * b).to(dtype)
+    with torch.no_grad():
+        y = _call(fm, layout, b, x.view(16, 1, 2048), w_kn, act).view(16, 8192)
+        y2 = _call(fm, layout, b, x, w_kn, act)
+    assert torch.equal(y, y2)
+    assert_rounded_once(y, b, x, w_kn, act)
+    if not native:
+        assert calls == ["_fwd_call"] * 2
+        return
+    assert calls == []
+    algorithm = "tanh" if act == "gelu_tanh" else "none"
+    assert torch.equal(y, lp(x, w_kn.t(), b, "gelu", [], algorithm))
+    if bias:  # the discrimination: two roundings break the bound here
+        two = F.gelu(F.linear(x, w_kn.t(), b), approximate=algorithm)
+        with pytest.raises(AssertionError, match="not rounded once"):
+            assert_rounded_once(two, b, x, w_kn, act)
+    xf, wf = x.float()[:, :256], w_kn.float()[:256]  # the GeLU form (fp32 operands: the post-op's own math)
+    bf = None if b is None else b.float()
+    assert_rounded_once(lp(xf, wf.t(), bf, "gelu", [], algorithm), bf, xf, wf, act)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -22,6 +22,8 @@ weight's own memory layout. An fp32 gradient arriving at a bf16/fp16 output reac
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -198,6 +200,32 @@ def _cpu_aten_training(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     return dt is not _F32 and x.device.type == "cpu" and _onednn_native(dt) and _cpu_aten_gemm(x, w, bias, n)
 
 
+def _linear_pointwise_op() -> Any:
+    """oneDNN's linear with an eltwise post-op (torch.ops.mkldnn._linear_pointwise, the kernel Inductor fuses CPU
+    linear + activation into), or None in a torch built without it."""
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_LINEAR_POINTWISE = _linear_pointwise_op()
+_ONEDNN_GELU = {"gelu_tanh": "tanh", "gelu": "none"}  # the op's activation -> the post-op's GeLU algorithm
+
+
+def _cpu_onednn_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
+    """CPU inference with a GeLU, x, w and the bias (if any, [N]) of one 16-bit dtype that oneDNN runs natively:
+    oneDNN's linear with a GeLU post-op computes bias + GeLU on its fp32 accumulator and rounds once -- the op's own
+    epilogue -- without the op's fp32 copy of the whole weight (0.08-0.40x eager: docs/tuning-log.md#addmm-cpu-epilogue).
+    test_cpu_16bit_gelu_inference_is_onednn checks the rounding and the GeLU form on the machine that runs it.
+    Non-empty contiguous x, weight ([N, K] or [K, N]) and bias only: torch 2.14's op returned wrong values for x rows
+    with a row stride (test_strided_operands) and refuses K = 0; other cases keep the op."""
+    dt = x.dtype
+    return (dt is not _F32 and _LINEAR_POINTWISE is not None and x.device.type == "cpu" and _onednn_native(dt)
+            and x.numel() != 0 and n != 0 and x.is_contiguous() and (w.is_contiguous() or w.t().is_contiguous())
+            and (bias is None or bias.is_contiguous()) and _cpu_aten_gemm(x, w, bias, n))
+
+
 def cpu_gemm_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """For the layers (plain tensors): an eager CPU call without autograd or autocast, which they hand to
     ``F.linear`` directly (see `_cpu_aten_gemm`). The callers test ``x``'s device inline first."""
@@ -274,6 +302,8 @@ def _addmm_impl(
                             return y if x_dim == 2 else y.view(out_shape)
                     elif _cpu_aten_gemm(x, w_kn, bias, w_kn.shape[1]):
                         return F.linear(x, w_kn.t(), bias)
+                elif not x.is_cuda and _cpu_onednn_gelu(x, w_kn, bias, w_kn.shape[1]):
+                    return _LINEAR_POINTWISE(x, w_kn.t(), bias, "gelu", [], _ONEDNN_GELU[op_act])
                 return _fwd_call(bias, x2, w_kn, op_act, False, out_shape)[0]
             except _FALLBACK_ERRORS:
                 pass
@@ -334,6 +364,8 @@ def _addmm_impl(
             bias = _bias_as_row(bias, n)
         if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_gemm(x2, w2, bias, n):
             return F.linear(x2, w2.t(), bias).view(out_shape)
+        if act != "none" and not torch.compiler.is_compiling() and _cpu_onednn_gelu(x2, w2, bias, n):
+            return _LINEAR_POINTWISE(x2, w2.t(), bias, "gelu", [], _ONEDNN_GELU[act]).view(out_shape)
         if bias is None and act == "none":
             if _use_linear_decode(x2, w2):
                 return _linear_decode(x2, w2.t()).view(out_shape)
