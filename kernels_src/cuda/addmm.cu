@@ -10,8 +10,9 @@
 // (kernels_src/cuda/addmm_act.cuh), one rounding, and Z in training, without the fp32 [M, N] round trip of the
 // exact path below. FUSED_MLP_ADDMM_SM90 (read once; the private op _addmm_sm90_mode overrides it) picks: auto (the
 // default: >= kSm90MinTiles output tiles with an activation; without one cuBLASLt's BIAS epilogue, also one rounding),
-// on (wherever it can run), off (cuBLASLt always), pingpong / cooperative (on, with that kernel config). The cuBLASLt fallback test hook (_addmm_lt_force_fallback)
-// bypasses it. Everything else, and the backward, is the cuBLASLt path described here.
+// on (wherever it can run), off (cuBLASLt always), pingpong / cooperative (on, with that kernel config). The cuBLASLt
+// fallback test hook (_addmm_lt_force_fallback) bypasses it. Everything else, and the backward, is the cuBLASLt path
+// described here.
 //
 // ---- Layout mapping (cuBLASLt is column-major; a row-major [R, C] tensor is a column-major C x R matrix) ----
 // Forward   Y^T (N x M, ld N)  = op(mat2) (N x K) * mat1^T (K x M):  m=N, n=M, k=K, A=mat2, B=mat1 (op N).
@@ -395,7 +396,8 @@ struct PlanKeyHash {
 //   the fastest on large GEMMs. Only for GEMMs of >= 8.6 GFLOP (>= ~12 us), where one-time tuning (~8 candidates
 //   x 4 runs) is amortised; small/decode shapes keep the heuristic's pick -- docs/tuning-log.md#addmm-autotune
 // The backward column pass's grid: whole waves of its resident blocks (colsum_chunks). Not swept: its 32 x 8 tiles
-//   and the bias/activation kernel grid (8 blocks per SM, grid-stride; <= 32 registers: 8 fit) -- docs/tuning-log.md#addmm-grids
+//   and the bias/activation kernel grid (8 blocks per SM, grid-stride; <= 32 registers: 8 fit)
+//   -- docs/tuning-log.md#addmm-grids
 // kSm90MinTiles: under FUSED_MLP_ADDMM_SM90=auto, bf16/fp16 forwards with an activation take the sm_90 CUTLASS kernel
 //   (addmm_sm90.cu) from 256 output tiles of 128 x 128 (about two waves on an H200; below, it lost to the cuBLASLt
 //   fp32-accumulator path at every measured shape: 0.50-1.02x); bias-only ones keep cuBLASLt's one-rounding BIAS
@@ -974,7 +976,8 @@ std::tuple<Tensor, Tensor, Tensor> addmm_bwd_cuda(
         const int64_t ldy = gemm_ld(dy);
         auto launch = [&](auto act_tag) {
           constexpr int A = decltype(act_tag)::value;
-          const auto kernel = use_vec ? act_bwd_colsum_vec_kernel<TD, TT, TT, A, VEC> : act_bwd_colsum_kernel<TD, TT, TT, A>;
+          const auto kernel =
+              use_vec ? act_bwd_colsum_vec_kernel<TD, TT, TT, A, VEC> : act_bwd_colsum_kernel<TD, TT, TT, A>;
           const int64_t slots = static_cast<int64_t>(device_sm_count(device)) *
                                 resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), device,
                                                        kColTile * kRowLanes);
