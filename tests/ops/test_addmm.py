@@ -1168,6 +1168,29 @@ def test_cpu_inference_is_atens_gemm(fm, monkeypatch, dtype, layout, bias, rank)
             fm.layers.Linear.forward(bad, x.detach())
 
 
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_strided_nd_input_rounds_once(fm, dtype, training):
+    """ATen's F.linear rounds a non-contiguous N-D input twice in 16 bits (matmul, then bias.add_: ~2500 of these 16384
+    outputs break the bound); the CPU routes that hand calls to ATen take such inputs only as 2-D rows or leave them
+    to the op, so they still come out rounded once."""
+    x, w_kn, b = _make((32, 64, 512), torch.float32, "cpu", seed=5)
+    x = x.to(dtype).view(8, 4, 64).transpose(0, 1)  # [4, 8, K], not contiguous
+    w_kn, b = w_kn.to(dtype), b.to(dtype)
+    with torch.set_grad_enabled(training):
+        y = fm.linear(x.requires_grad_(training), w_kn.t(), b)
+        y_layer = fm.layers.Linear.forward(_linear_module(w_kn.t(), b), x)
+    for out in (y, y_layer):
+        assert out.shape == (4, 8, 512)
+        assert_rounded_once(out.detach().reshape(32, 512), b, x.detach().reshape(32, 64), w_kn, None)
+
+
+def _linear_module(w: torch.Tensor, b: torch.Tensor) -> torch.nn.Linear:
+    mod = torch.nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+    mod.weight.data, mod.bias.data = w.contiguous(), b
+    return mod
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
 @pytest.mark.parametrize("bias", [True, False])

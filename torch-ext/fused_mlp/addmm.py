@@ -16,7 +16,8 @@ Backward: ``dZ = dY * act'(Z)`` in fp32 with ``Z`` the saved pre-activation (inp
 summed in fp32 in a fixed order (deterministic; a broadcast bias's gradient reduced to the bias's own shape in fp32
 too, so every bias gradient is rounded once), then two plain GEMMs for ``dX`` and ``dW``; ``dW`` has the
 weight's own memory layout. An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast
-(``ctx.set_output_grad_dtype`` on torch >= 2.14). Under ``torch.autocast`` the inputs are cast like
+(``ctx.set_output_grad_dtype`` on torch >= 2.14), except on the CPU route of 16-bit training without an activation,
+which is ATen's own ops (``_cpu_aten_training``: rounded to the output dtype first, as in eager). Under ``torch.autocast`` the inputs are cast like
 ``F.linear``/``torch.addmm`` are. Design notes and the exact cuBLASLt mapping: ``kernels_src/cuda/addmm.cu``.
 """
 
@@ -184,6 +185,8 @@ def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         return False
     if dt is _F32:
         return True
+    if x.dim() != 2 and not x.is_contiguous():  # F.linear runs such x as matmul + bias.add_: two roundings in 16 bits
+        return False
     k = x.shape[-1]
     return (x.numel() // k if k else 0) <= _CPU_16BIT_ATEN_MAX_ROWS or _onednn_native(dt)
 
