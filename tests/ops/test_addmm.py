@@ -338,8 +338,7 @@ def test_backward_gets_no_zero_filled_preactivation_gradient(fm, device, act, mo
 
     monkeypatch.setattr(fn, "backward", staticmethod(spy))
     x, w_kn, b = _make((24, 32, 16), torch.bfloat16, device)
-    if act is None:  # an fp32 bias keeps the Function where bf16 would take ATen's ops (test_cpu_16bit_training_is_atens)
-        b = b.float()
+    b = b.float()  # keeps the Function where bf16 would take ATen's / oneDNN's ops on the CPU (test_cpu_16bit_*_training*)
     w = w_kn.t().contiguous().requires_grad_()
     y = fm.linear(x, w, b, activation=act)
     y.float().sum().backward()
@@ -1263,9 +1262,58 @@ def test_cpu_16bit_training_is_atens(fm, monkeypatch, dtype, layout, bias):
         assert_rounded_once(w_kn.grad, None, xd.t(), dy, None, name="dW")
         if bias:
             assert_rounded_once(b.grad.unsqueeze(0), None, torch.ones(1, m, dtype=dtype), dy, None, name="db")
-    x, w_kn, b = _make((8, 16, 24), torch.float32, "cpu", bias=True, layout=layout)  # an activation, an fp32 bias
+    x, w_kn, b = _make((8, 16, 24), torch.float32, "cpu", bias=True, layout=layout)  # an fp32 bias
     x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype)
     calls.clear()
-    _call(fm, layout, b.to(dtype), x, w_kn, "gelu_tanh")
     _call(fm, layout, b, x, w_kn, None)
-    assert calls == ["_fwd", "_fwd"]
+    assert calls == ["_fwd"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu"])
+def test_cpu_16bit_gelu_training_is_onednn(fm, monkeypatch, dtype, layout, bias, act):
+    """16-bit CPU training with a GeLU, where oneDNN runs the dtype natively: the forward is oneDNN's linear with the
+    GeLU post-op (the inference path's bits), the backward recomputes Z with ATen's 16-bit GEMM and runs ATen's dX
+    and dW GEMMs on dZ rounded to the input dtype, as on the GPU (the op widens x, w and dY to fp32 copies for each
+    GEMM). Checked on the machine that runs it, with a long reduction for each of y, dX, dW and db: each one rounding
+    of its fp32 accumulation (a GEMM on the fp32 dZ, or accumulated in 16 bits, fails the bound), Z one rounding, and
+    dZ the fp32 value of dY * act'(Z) for this activation (tanh and erf GeLU differ by far more). Without native
+    oneDNN: the op's Function."""
+    native = sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
+    calls = _op_calls(fm, monkeypatch)
+    algorithm = "tanh" if act == "gelu_tanh" else "none"
+    for i, (m, k, n) in enumerate([(31, 4096, 96), (4096, 64, 40), (64, 32, 4096)]):
+        x, w_kn, b = _make((m, k, n), torch.float32, "cpu", seed=5 + i, bias=bias, layout=layout)
+        x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
+        b = None if b is None else (4 * b).to(dtype).requires_grad_()
+        dy = torch.randn(m, n, generator=torch.Generator().manual_seed(i)).to(dtype)
+        y = _call(fm, layout, b, x, w_kn, act)
+        y.backward(dy)
+        if not native:
+            assert calls == ["_fwd"]
+            calls.clear()
+            continue
+        assert calls == []
+        xd, wd, bd = x.detach(), w_kn.detach(), None if b is None else b.detach()
+        with torch.no_grad():
+            assert torch.equal(y, _call(fm, layout, bd, xd, wd, act))
+        assert_rounded_once(y.detach(), bd, xd, wd, act, name="y")
+        z = F.linear(xd, wd.t(), bd)
+        assert_rounded_once(z, bd, xd, wd, None, name="z")
+        dz32 = torch.ops.aten.gelu_backward(dy.float(), z.float(), approximate=algorithm)
+        z64 = z.double().requires_grad_()
+        _act64(z64, act).backward(dy.double())
+        torch.testing.assert_close(dz32.double(), z64.grad, rtol=1e-5, atol=1e-5)  # tanh vs erf: ~1e-3
+        dz = dz32.to(dtype)
+        assert_rounded_once(x.grad, None, dz, wd.t(), None, name="dX")
+        assert_rounded_once(w_kn.grad, None, xd.t(), dz, None, name="dW")
+        assert w_kn.grad.stride() == w_kn.stride()  # the weight's own layout
+        if bias:
+            assert_rounded_once(b.grad.unsqueeze(0), None, torch.ones(1, m), dz32, None, name="db")
+        if i == 0:  # [..., K] input: the same bits
+            x3 = xd.view(m, 1, k).requires_grad_()
+            y3 = _call(fm, layout, bd, x3, wd, act)
+            y3.backward(dy.view(m, 1, n))
+            assert torch.equal(y3.view(m, n), y) and torch.equal(x3.grad.view(m, k), x.grad)

@@ -217,9 +217,10 @@ _ONEDNN_GELU = {"gelu_tanh": "tanh", "gelu": "none"}  # the op's activation -> t
 
 
 def _cpu_onednn_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
-    """CPU inference with a GeLU, x, w and the bias (if any, [N]) of one 16-bit dtype that oneDNN runs natively:
-    oneDNN's linear with a GeLU post-op computes bias + GeLU on its fp32 accumulator and rounds once -- the op's own
-    epilogue -- without the op's fp32 copy of the whole weight (0.08-0.40x eager: docs/tuning-log.md#addmm-cpu-epilogue).
+    """CPU inference (and training: `_CpuOneDnnGeluFunction`) with a GeLU, x, w and the bias (if any, [N]) of one
+    16-bit dtype that oneDNN runs natively: oneDNN's linear with a GeLU post-op computes bias + GeLU on its fp32
+    accumulator and rounds once -- the op's own epilogue -- without the op's fp32 copy of the whole weight (0.08-0.40x
+    eager: docs/tuning-log.md#addmm-cpu-epilogue).
     test_cpu_16bit_gelu_inference_is_onednn checks the rounding and the GeLU form on the machine that runs it.
     Non-empty contiguous x, weight ([N, K] or [K, N]) and bias only: torch 2.14's op returned wrong values for x rows
     with a row stride (test_strided_operands) and refuses K = 0; other cases keep the op."""
@@ -227,6 +228,42 @@ def _cpu_onednn_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return (dt is not _F32 and _LINEAR_POINTWISE is not None and x.device.type == "cpu" and _onednn_native(dt)
             and x.numel() != 0 and n != 0 and x.is_contiguous() and (w.is_contiguous() or w.t().is_contiguous())
             and (bias is None or bias.is_contiguous()) and _cpu_aten_gemm(x, w, bias, n))
+
+
+class _CpuOneDnnGeluFunction(torch.autograd.Function):
+    """16-bit CPU training with a GeLU where `_cpu_onednn_gelu` holds (x, w and the bias as it checks them). Forward:
+    oneDNN's linear with the GeLU post-op, as in inference (one rounding). Backward: Z = bias + x @ w recomputed by
+    ATen's 16-bit GEMM (one rounding: the pre-activation the op would have saved, not kept here), dZ = dY * act'(Z) in
+    fp32, db its fp32 column sum rounded once, and dZ rounded to the input dtype for ATen's dX and dW GEMMs (fp32
+    accumulation, one rounding each), as on the GPU. Four 16-bit GEMMs against eager's three, where the op widens x, w
+    and dY to fp32 copies for each of its three (docs/tuning-log.md#addmm-cpu-epilogue).
+    test_cpu_16bit_gelu_training_is_onednn checks the roundings on the machine that runs it."""
+
+    @staticmethod
+    def forward(ctx, x, w_kn, bias, activation):
+        ctx.save_for_backward(x, w_kn, bias)
+        ctx.algorithm = _ONEDNN_GELU[activation]
+        ctx.set_materialize_grads(False)
+        declare_grad_dtypes(ctx, None)  # an fp32 dY reaches the fp32 dZ uncast, as in the op's Function
+        return _LINEAR_POINTWISE(x, w_kn.t(), bias, "gelu", [], ctx.algorithm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return None, None, None, None
+        x, w_kn, bias = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        k, n = w_kn.shape
+        x2 = x.view(-1, k)  # contiguous (checked before apply)
+        z = F.linear(x2, w_kn.t(), bias)
+        dz32 = torch.ops.aten.gelu_backward(dy.reshape(-1, n).float(), z.float(), approximate=ctx.algorithm)
+        db = dz32.sum(0).to(bias.dtype) if need_db else None
+        dz = dz32.to(x.dtype)
+        dx = (dz @ w_kn.t()).view(x.shape) if need_dx else None
+        dw = None
+        if need_dw:  # in the weight's own layout: nn.Linear's [N, K] behind .t(), or Conv1D's [K, N]
+            dw = x2.t() @ dz if w_kn.is_contiguous() else (dz.t() @ x2).t()
+        return dx, dw, db, None
 
 
 def cpu_gemm_inference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
@@ -293,8 +330,12 @@ def _addmm_impl(
                 x2 = x if x_dim == 2 else x.flatten(0, -2)
                 out_shape = [x.shape[0], w_kn.shape[1]] if x_dim == 2 else [*x.shape[:-1], w_kn.shape[1]]
                 if training:
-                    if op_act == "none" and not x.is_cuda and _cpu_aten_training(x, w_kn, bias, w_kn.shape[1]):
-                        return F.linear(x, w_kn.t(), bias)
+                    if not x.is_cuda:
+                        if op_act == "none":
+                            if _cpu_aten_training(x, w_kn, bias, w_kn.shape[1]):
+                                return F.linear(x, w_kn.t(), bias)
+                        elif _cpu_onednn_gelu(x, w_kn, bias, w_kn.shape[1]):
+                            return _CpuOneDnnGeluFunction.apply(x, w_kn, bias, op_act)
                     w2, dw_transposed = _mat2_layout(w_kn)
                     return _AddmmFunction.apply(bias, x2, w2, op_act, op_act != "none", dw_transposed,
                                                 out_shape)[0]
@@ -380,6 +421,8 @@ def _addmm_impl(
         return fwd(bias, x2, w2, act, False, out_shape)[0]
     if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_training(x, w_kn, bias, n):
         return F.linear(x, w_kn.t(), bias)
+    if act != "none" and not torch.compiler.is_compiling() and _cpu_onednn_gelu(x, w_kn, bias, n):
+        return _CpuOneDnnGeluFunction.apply(x, w_kn, bias, act)
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)
     return y
 
