@@ -1289,6 +1289,8 @@ def test_cpu_16bit_gelu_training_is_onednn(fm, monkeypatch, dtype, layout, bias,
         x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
         b = None if b is None else (4 * b).to(dtype).requires_grad_()
         dy = torch.randn(m, n, generator=torch.Generator().manual_seed(i)).to(dtype)
+        raw_dw = []
+        w_kn.register_hook(raw_dw.append)  # the gradient backward returns, before accumulation copies it
         y = _call(fm, layout, b, x, w_kn, act)
         y.backward(dy)
         if not native:
@@ -1296,6 +1298,7 @@ def test_cpu_16bit_gelu_training_is_onednn(fm, monkeypatch, dtype, layout, bias,
             calls.clear()
             continue
         assert calls == []
+        assert raw_dw[0].stride() == w_kn.stride()  # dW made in the weight's own layout (no copy into it)
         xd, wd, bd = x.detach(), w_kn.detach(), None if b is None else b.detach()
         with torch.no_grad():
             assert torch.equal(y, _call(fm, layout, bd, xd, wd, act))
@@ -1309,9 +1312,18 @@ def test_cpu_16bit_gelu_training_is_onednn(fm, monkeypatch, dtype, layout, bias,
         dz = dz32.to(dtype)
         assert_rounded_once(x.grad, None, dz, wd.t(), None, name="dX")
         assert_rounded_once(w_kn.grad, None, xd.t(), dz, None, name="dW")
-        assert w_kn.grad.stride() == w_kn.stride()  # the weight's own layout
         if bias:
             assert_rounded_once(b.grad.unsqueeze(0), None, torch.ones(1, m), dz32, None, name="db")
+        if i == 1:  # an fp32 gradient at y reaches dZ uncast (rounded to 16 bits first, dX breaks its bound here)
+            up = torch.randn(m, n, generator=torch.Generator().manual_seed(7))
+            x.grad = w_kn.grad = None
+            if bias:
+                b.grad = None
+            (_call(fm, layout, b, x, w_kn, act) * up).sum().backward()
+            dz32 = torch.ops.aten.gelu_backward(up, z.float(), approximate=algorithm)
+            assert_rounded_once(x.grad, None, dz32.to(dtype), wd.t(), None, name="dX (fp32 dY)")
+            if bias:
+                assert_rounded_once(b.grad.unsqueeze(0), None, torch.ones(1, m), dz32, None, name="db (fp32 dY)")
         if i == 0:  # [..., K] input: the same bits
             x3 = xd.view(m, 1, k).requires_grad_()
             y3 = _call(fm, layout, bd, x3, wd, act)
