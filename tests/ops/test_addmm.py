@@ -1227,6 +1227,27 @@ def test_cpu_16bit_gelu_inference_is_onednn(fm, monkeypatch, dtype, layout, bias
     assert_rounded_once(lp(xf, wf.t(), bf, "gelu", [], algorithm), bf, xf, wf, act)
 
 
+# M x K x N with a long reduction for each of y (K), dW and db (M) and dX (N) in the CPU training tests.
+_LONG_REDUCTIONS = [(31, 4096, 96), (4096, 64, 40), (64, 32, 4096)]
+
+
+def _took_op(calls: list[str], native: bool) -> bool:
+    """Where oneDNN runs the dtype natively, ATen's / oneDNN's route ran (no op call); elsewhere the op's Function,
+    once. True for the op (the caller then skips the route's checks)."""
+    assert calls == ([] if native else ["_fwd"])
+    calls.clear()
+    return not native
+
+
+def _cpu_training_operands(shape, dtype, seed, dy_seed, bias, layout):
+    """x, w_kn and the bias (4x the products' size, or None) in dtype, all requiring grad, and a dY for them."""
+    m, _, n = shape
+    x, w_kn, b = _make(shape, torch.float32, "cpu", seed=seed, bias=bias, layout=layout)
+    x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
+    b = None if b is None else (4 * b).to(dtype).requires_grad_()
+    return x, w_kn, b, torch.randn(m, n, generator=torch.Generator().manual_seed(dy_seed)).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
 @pytest.mark.parametrize("bias", [True, False])
@@ -1238,18 +1259,12 @@ def test_cpu_16bit_training_is_atens(fm, monkeypatch, dtype, layout, bias):
     fp16 GEMMs are 17-156x the op's time there), with an activation or an fp32 bias: the op's Function."""
     native = sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
     calls = _op_calls(fm, monkeypatch)
-    for i, (m, k, n) in enumerate([(31, 4096, 96), (4096, 64, 40), (64, 32, 4096)]):
-        x, w_kn, b = _make((m, k, n), torch.float32, "cpu", seed=3 + i, bias=bias, layout=layout)
-        x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
-        b = None if b is None else (4 * b).to(dtype).requires_grad_()
-        dy = torch.randn(m, n, generator=torch.Generator().manual_seed(i)).to(dtype)
+    for i, (m, k, n) in enumerate(_LONG_REDUCTIONS):
+        x, w_kn, b, dy = _cpu_training_operands((m, k, n), dtype, 3 + i, i, bias, layout)
         y = _call(fm, layout, b, x, w_kn, None)
         y.backward(dy)
-        if not native:
-            assert calls == ["_fwd"]
-            calls.clear()
+        if _took_op(calls, native):
             continue
-        assert calls == []
         leaves = [t.detach().clone().requires_grad_() for t in (x, w_kn) + ((b,) if bias else ())]
         y_eager = F.linear(leaves[0], leaves[1].t(), leaves[2] if bias else None)
         y_eager.backward(dy)
@@ -1284,20 +1299,14 @@ def test_cpu_16bit_gelu_training_is_onednn(fm, monkeypatch, dtype, layout, bias,
     native = sys.modules[fm.__name__ + ".addmm"]._onednn_native(dtype)
     calls = _op_calls(fm, monkeypatch)
     algorithm = "tanh" if act == "gelu_tanh" else "none"
-    for i, (m, k, n) in enumerate([(31, 4096, 96), (4096, 64, 40), (64, 32, 4096)]):
-        x, w_kn, b = _make((m, k, n), torch.float32, "cpu", seed=5 + i, bias=bias, layout=layout)
-        x, w_kn = x.to(dtype).requires_grad_(), w_kn.to(dtype).requires_grad_()
-        b = None if b is None else (4 * b).to(dtype).requires_grad_()
-        dy = torch.randn(m, n, generator=torch.Generator().manual_seed(i)).to(dtype)
+    for i, (m, k, n) in enumerate(_LONG_REDUCTIONS):
+        x, w_kn, b, dy = _cpu_training_operands((m, k, n), dtype, 5 + i, i, bias, layout)
         raw_dw = []
         w_kn.register_hook(raw_dw.append)  # the gradient backward returns, before accumulation copies it
         y = _call(fm, layout, b, x, w_kn, act)
         y.backward(dy)
-        if not native:
-            assert calls == ["_fwd"]
-            calls.clear()
+        if _took_op(calls, native):
             continue
-        assert calls == []
         assert raw_dw[0].stride() == w_kn.stride()  # dW made in the weight's own layout (no copy into it)
         xd, wd, bd = x.detach(), w_kn.detach(), None if b is None else b.detach()
         with torch.no_grad():
