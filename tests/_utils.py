@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
+import warnings
 
 import torch
 
@@ -190,3 +192,13 @@ def symbolic_tokens(h: int, dtype: torch.dtype = torch.bfloat16):
     assert isinstance(x.shape[0], torch.SymInt)
     x.fake_device = torch.device("cuda", 0)  # the predicates ask x.is_cuda first
     return x, shape_env
+
+
+def fallback_warnings(fm, fn):
+    """(fn(), the texts of the layers' fallback warnings it raised), with the package's warn-once memory cleared
+    first: each fallback reason warns once per process, so an earlier test may have used it up."""
+    importlib.import_module(f"{fm.__name__}._common")._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if "own PyTorch" in str(w.message)]

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule, opted_in
+from _utils import assert_2x_rule, fallback_warnings, opted_in
 from conftest import CUDA, ROOT
 from torch import nn
 
@@ -170,8 +170,10 @@ def test_other_activations_run_the_module_math_exactly(fm, device, name, mode):
     ref, ours, _ = build(name, device, torch.bfloat16, m)
     x = torch.randn(5, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
-    y, y2 = ours(x), ref(x2)
+    (y, said), y2 = fallback_warnings(fm, lambda: ours(x)), ref(x2)
     assert torch.equal(y, y2)
+    assert said == ["fused_mlp: GeGLUMLP runs the module's own PyTorch math here: no fused kernel for the activation "
+                    f"{type(ours.mlp.act_fn).__name__}."], said
     y.sum().backward()
     y2.sum().backward()
     assert torch.equal(x.grad, x2.grad)
@@ -188,7 +190,9 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
 
     h1 = ours.mlp.gate_proj.register_forward_hook(double)
     h2 = ref.mlp.gate_proj.register_forward_hook(double)
-    assert torch.equal(ours(x), ref(x))  # the hook ran: the module's own math
+    y, said = fallback_warnings(fm, lambda: ours(x))
+    assert torch.equal(y, ref(x))  # the hook ran: the module's own math
+    assert len(said) == 1 and "not plain nn.Linear" in said[0], said
     h1.remove()
     h2.remove()
 
@@ -200,7 +204,25 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
         old = model.mlp.up_proj
         model.mlp.up_proj = MyLinear(old.in_features, old.out_features, bias=False, device=device)
         model.mlp.up_proj.weight.data.copy_(old.weight)
-    assert torch.equal(ours(x), ref(x))
+    y, said = fallback_warnings(fm, lambda: ours(x))
+    assert torch.equal(y, ref(x))
+    assert len(said) == 1 and "not plain nn.Linear" in said[0], said
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_float64_raises_like_the_other_layers(fm, device, training):
+    """A float64 model is no fallback case: the layer raises the ops' TypeError before any launch, as RMSNorm and
+    Linear do (it used to run the module's math with a warning that blamed mixed dtypes)."""
+    _, ours, _ = build("gemma", device, torch.float64, kernels.Mode.TRAINING if training else kernels.Mode.INFERENCE)
+    x = torch.randn(3, H, device=device, dtype=torch.float64, requires_grad=training)
+    with pytest.raises(TypeError, match=r"^x must be float32, float16 or bfloat16, got torch.float64$"):
+        fallback_warnings(fm, lambda: ours(x))
+    norm = nn.Module()
+    norm.weight, norm.variance_epsilon = nn.Parameter(torch.ones(H, device=device, dtype=torch.float64)), 1e-6
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.float64"):
+        fm.layers.RMSNorm.forward(norm, x)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.float64"):
+        fm.layers.Linear.forward(nn.Linear(H, 4, device=device, dtype=torch.float64), x)
 
 
 def test_mixed_dtypes_behave_like_the_module(fm, device):
@@ -212,8 +234,11 @@ def test_mixed_dtypes_behave_like_the_module(fm, device):
     with pytest.raises(RuntimeError) as e_ref:
         ref(xb)
     with pytest.raises(RuntimeError) as e_ours:
-        ours(xb)
+        fallback_warnings(fm, lambda: ours(xb))
     assert str(e_ours.value) == str(e_ref.value)
+    _, said = fallback_warnings(fm, lambda: pytest.raises(RuntimeError, ours, xb))
+    assert said == ["fused_mlp: GeGLUMLP runs the module's own PyTorch math here: the weights' dtypes differ from the "
+                    "input's (outside autocast)."], said
 
     x = torch.randn(6, H, device=device)
     dy = torch.randn(6, H, device=device, dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import GELU_APPROXIMATE, autocast_dtype, dtensor_type, is_plain, warn_once
+from ._common import GELU_APPROXIMATE, autocast_dtype, check_tensor, dtensor_type, is_plain, warn_once
 from .addmm import addmm as _addmm
 from .addmm import cpu_gemm_inference as _cpu_gemm_inference
 from .addmm import linear as _linear
@@ -178,6 +178,7 @@ class GeGLUMLP(nn.Module):
                 )
             ):
                 return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
+            check_tensor(x, "x")  # float64 & co raise, as in the other layers and the ops
             why = "the weights' dtypes differ from the input's (outside autocast)"
         elif activation is None:
             why = f"no fused kernel for the activation {type(act_fn).__name__}"
