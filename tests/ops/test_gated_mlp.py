@@ -208,6 +208,16 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
     assert torch.equal(y, ref(x))
     assert len(said) == 1 and "not plain nn.Linear" in said[0], said
 
+    class Tagged(torch.Tensor):
+        pass
+
+    ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.TRAINING)
+    xt = x.as_subclass(Tagged)
+    y, said = fallback_warnings(fm, lambda: ours(xt))
+    assert torch.equal(y, ref(xt))
+    assert said == ["fused_mlp: GeGLUMLP runs the module's own PyTorch math here: the input is a tensor subclass "
+                    "(DTensor, ...)."], said
+
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_float64_raises_like_the_other_layers(fm, device, training):

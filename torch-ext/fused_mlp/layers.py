@@ -182,6 +182,8 @@ class GeGLUMLP(nn.Module):
             why = "the weights' dtypes differ from the input's (outside autocast)"
         elif activation is None:
             why = f"no fused kernel for the activation {type(act_fn).__name__}"
+        elif type(x) is not torch.Tensor:
+            why = "the input is a tensor subclass (DTensor, ...)"
         else:
             why = "the projections are not plain nn.Linear on plain tensors (DTensor, quantised, hooks, subclass)"
         warn_once(f"GeGLUMLP:{why}", f"fused_mlp: GeGLUMLP runs the module's own PyTorch math here: {why}.")
