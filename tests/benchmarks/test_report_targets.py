@@ -67,3 +67,20 @@ def test_a_verdict_names_the_runs_behind_it():
     rows.append(dict(row("ours", 1.0, "2026-12-04T01:00:00Z", "a29987d"), shape="T=512,I=9216"))
     rows.append(dict(row("eager", 2.5, "2026-12-04T01:00:00Z", "a29987d"), shape="T=512,I=9216"))
     assert report.evaluate(target, rows).runs == "2026-12-02..2026-12-04 (2 runs)"
+
+
+def test_gpu_targets_read_h200_rows_only():
+    """An H100 CSV beside the H200 ones (evidence from a session without an H200) leaves every verdict as it was."""
+    import report
+
+    target = _target(report, "addnorm-fwd")
+
+    def row(gpu, gbps):
+        return {"device": "cuda", "device_name": f"NVIDIA {gpu}", "op": "add_rms_norm", "mode": "fwd",
+                "shape": "M=8192,N=4096", "M": "8192", "N": "4096", "dtype": "bfloat16", "provider": "ours",
+                "source": "measured", "status": "ok", "gbps": str(gbps), "time_p50_ms": "0.1"}
+
+    h200 = [row("H200", 4200)]
+    assert report.evaluate(target, h200).status == "met"
+    assert report.evaluate(target, h200 + [row("H100 80GB HBM3", 3000)]).status == "met"
+    assert report.evaluate(target, [row("H100 80GB HBM3", 4200)]).status == "not measured"
