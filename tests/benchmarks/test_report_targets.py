@@ -70,7 +70,8 @@ def test_a_verdict_names_the_runs_behind_it():
 
 
 def test_gpu_targets_read_h200_rows_only():
-    """An H100 CSV beside the H200 ones (evidence from a session without an H200) leaves every verdict as it was."""
+    """An H100 or GH200 CSV beside the H200 ones (evidence from a session without an H200) leaves every verdict as it
+    was."""
     import report
 
     target = _target(report, "addnorm-fwd")
@@ -84,3 +85,4 @@ def test_gpu_targets_read_h200_rows_only():
     assert report.evaluate(target, h200).status == "met"
     assert report.evaluate(target, h200 + [row("H100 80GB HBM3", 3000)]).status == "met"
     assert report.evaluate(target, [row("H100 80GB HBM3", 4200)]).status == "not measured"
+    assert report.evaluate(target, [row("GH200 480GB", 4200)]).status == "not measured"
