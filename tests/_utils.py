@@ -194,6 +194,10 @@ def symbolic_tokens(h: int, dtype: torch.dtype = torch.bfloat16):
     return x, shape_env
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass that is not DTensor (what a wrapper library might pass): no kernel takes it."""
+
+
 def fallback_warnings(fm, fn):
     """(fn(), the texts of the layers' fallback warnings it raised), with the package's warn-once memory cleared
     first: each fallback reason warns once per process, so an earlier test may have used it up."""

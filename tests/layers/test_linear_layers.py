@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _utils import assert_2x_rule, fallback_warnings
+from _utils import Tagged, assert_2x_rule, fallback_warnings
 from conftest import ROOT
 
 kernels = pytest.importorskip("kernels")
@@ -119,15 +119,11 @@ def test_conv1d_matches_transformers_exactly_in_fp32(fm, device):
         torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-5)
 
 
-class _Tagged(torch.Tensor):
-    """A tensor subclass that is not DTensor (what a wrapper library might pass): no kernel takes it."""
-
-
 @pytest.mark.parametrize("layer", ["Linear", "Conv1D"])
 def test_tensor_subclass_input_runs_the_module_and_warns_once(fm, device, layer):
     torch.manual_seed(2)
     mod = (nn.Linear(24, 40) if layer == "Linear" else HFConv1D(40, 24)).to(device)
-    x = torch.randn(3, 24, device=device).as_subclass(_Tagged)
+    x = torch.randn(3, 24, device=device).as_subclass(Tagged)
     y, said = fallback_warnings(fm, lambda: [getattr(fm.layers, layer).forward(mod, x) for _ in range(2)])
     assert all(torch.equal(t, type(mod).forward(mod, x)) for t in y)
     assert said == [f"fused_mlp: {type(mod).__name__} runs its own PyTorch forward here, not the fused kernel: a "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _utils import FLOOR, assert_2x_rule, fallback_warnings, opted_in
+from _utils import FLOOR, Tagged, assert_2x_rule, fallback_warnings, opted_in
 from conftest import ROOT
 
 transformers = pytest.importorskip("transformers")
@@ -181,14 +181,10 @@ def test_layer_compile_fullgraph(fm, device, policy, grad, monkeypatch):
     torch._dynamo.reset()
 
 
-class _Tagged(torch.Tensor):
-    """A tensor subclass that is not DTensor (what a wrapper library might pass): no kernel takes it."""
-
-
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, GemmaRMSNorm], ids=lambda c: c.__name__)
 def test_tensor_subclass_input_runs_the_module_and_warns_once(fm, device, cls):
     m = build(cls, 64, torch.float32, device)
-    x = torch.randn(3, 64, device=device).as_subclass(_Tagged)
+    x = torch.randn(3, 64, device=device).as_subclass(Tagged)
     y, said = fallback_warnings(fm, lambda: [layer_for(fm, cls).forward(m, x) for _ in range(2)])
     assert all(torch.equal(t, cls.forward(m, x)) for t in y)
     assert said == [f"fused_mlp: {cls.__name__} runs its own PyTorch forward here, not the fused kernel: the input or "

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _utils import assert_2x_rule, fallback_warnings, opted_in
+from _utils import Tagged, assert_2x_rule, fallback_warnings, opted_in
 from conftest import CUDA, ROOT
 from torch import nn
 
@@ -207,9 +207,6 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
     (y, _), said = fallback_warnings(fm, lambda: (ours(x), ours(x)))  # twice: one warning
     assert torch.equal(y, ref(x))
     assert len(said) == 1 and "not plain nn.Linear" in said[0], said
-
-    class Tagged(torch.Tensor):
-        pass
 
     ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.TRAINING)
     xt = x.as_subclass(Tagged)

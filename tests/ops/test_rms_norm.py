@@ -570,9 +570,9 @@ def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatc
     orig_backward = mod._RMSNormYFunction.backward
     orig_declare = mod.declare_grad_dtypes
 
-    def recording_declare(ctx, *dtypes):
+    def recording_declare(ctx, *dtypes, **kw):
         # What the Function declared, as the ctx holds it after the call (the engine consumes it after forward).
-        orig_declare(ctx, *dtypes)
+        orig_declare(ctx, *dtypes, **kw)
         records.append({"declared": getattr(ctx, "output_grad_dtypes", "unsupported")})
 
     def recording_backward(ctx, dy):
@@ -602,8 +602,13 @@ def test_declared_grad_dtype_keeps_fp32_upstream_gradient(fm, device, monkeypatc
         assert rec["declared"] == "unsupported" and rec["received"] == torch.bfloat16
         pytest.skip(f"torch {torch.__version__} has no ctx.set_output_grad_dtype: default path only (recorded)")
     assert rec["declared"] == (None,) and rec["received"] == torch.float32
+    # An fp32 y has nothing to keep uncast: no declaration (host time), the gradient still arrives in fp32.
+    x32 = x.float()
+    xr = x32.clone().requires_grad_()
+    fm.rms_norm(xr, w.float()).backward(g32)
+    assert records[-1]["declared"] is None and records[-1]["received"] == torch.float32, records[-1]
 
-    monkeypatch.setattr(mod, "declare_grad_dtypes", lambda ctx, *d: records.append({"declared": None}))
+    monkeypatch.setattr(mod, "declare_grad_dtypes", lambda ctx, *d, **kw: records.append({"declared": None}))
     dx_cast = dx_with(g32)  # the default path: the engine casts the fp32 gradient to the output's bf16
     rec = records[-1]
     print("recorded (default):", rec)

@@ -54,12 +54,16 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if (n <= 1 or t.stride(1) == 1) else t.contiguous()
 
 
-def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None) -> None:
+def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None, out_dtype: torch.dtype | None = None) -> None:
     """On torch >= 2.14, have the autograd engine hand backward the incoming gradients uncast (None) or in the
     given dtype, instead of casting an fp32 gradient down to a bf16/fp16 output's dtype. Older torch: no-op.
+    ``out_dtype``: the outputs' one dtype where the caller knows it; fp32 outputs have nothing to keep uncast and
+    skip the declaration, which costs host time (docs/tuning-log.md#host-path-training).
 
     Skipped while dynamo traces (torch 2.14's dynamo does not model the declaration: its traced ctx lacks the
     attribute the setter writes); compiled graphs get their backward dtypes from AOTAutograd instead."""
+    if out_dtype is torch.float32:
+        return
     setter = getattr(ctx, "set_output_grad_dtype", None)
     if setter is not None and not torch.compiler.is_compiling():
         setter(*dtypes)

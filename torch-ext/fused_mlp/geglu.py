@@ -72,10 +72,8 @@ class _GatedActFunction(torch.autograd.Function):
             h = h.view(shape).detach()
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        # An fp32 gradient arriving at a bf16/fp16 h reaches the kernel uncast (it reads fp32 or h's dtype). Not
-        # declared for fp32 h: nothing to keep uncast, and it costs host time (docs/tuning-log.md#host-path-training).
-        if gate.dtype is not torch.float32:
-            declare_grad_dtypes(ctx, None)
+        # An fp32 gradient arriving at a bf16/fp16 h reaches the kernel uncast (it reads fp32 or h's dtype).
+        declare_grad_dtypes(ctx, None, out_dtype=h.dtype)
         return h
 
     @staticmethod

@@ -144,9 +144,8 @@ class _RMSNormYFunction(torch.autograd.Function):
         ctx.save_for_backward(x, rstd, weight)
         ctx.offset = offset
         ctx.x_dtype = x.dtype
-        # An fp32 gradient at a bf16/fp16 y reaches the kernel uncast; fp32 y: not declared (as geglu.py's Function)
-        if out_dtype is not _F32:
-            declare_grad_dtypes(ctx, None)
+        # An fp32 gradient at a bf16/fp16 y reaches the kernel uncast.
+        declare_grad_dtypes(ctx, None, out_dtype=out_dtype)
         return y
 
     @staticmethod
