@@ -220,7 +220,7 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
 def test_float64_raises_like_the_other_layers(fm, device, training):
     """A float64 model is no fallback case: the layer raises the ops' TypeError before any launch, as RMSNorm and
     Linear do (it used to run the module's math with a warning that blamed mixed dtypes)."""
-    _, ours, _ = build("gemma", device, torch.float64, kernels.Mode.TRAINING if training else kernels.Mode.INFERENCE)
+    ref, ours, _ = build("gemma", device, torch.float64, kernels.Mode.TRAINING if training else kernels.Mode.INFERENCE)
     x = torch.randn(3, H, device=device, dtype=torch.float64, requires_grad=training)
     with pytest.raises(TypeError, match=r"^x must be float32, float16 or bfloat16, got torch.float64$"):
         fallback_warnings(fm, lambda: ours(x))
@@ -230,6 +230,21 @@ def test_float64_raises_like_the_other_layers(fm, device, training):
         fm.layers.RMSNorm.forward(norm, x)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.float64"):
         fm.layers.Linear.forward(nn.Linear(H, 4, device=device, dtype=torch.float64), x)
+    # float64 weights with an fp32 input raise the same way, also under autocast: autocast leaves float64 operands
+    # alone, so the module's F.linear raises there too (the layer used to cast them and return bf16).
+    x32 = x.detach().float().requires_grad_(training)
+    with pytest.raises(RuntimeError):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            ref(x32)
+    for autocast in (False, True):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            with pytest.raises(TypeError, match=r"^gate_proj.weight must be float32, float16 or bfloat16, got "
+                                                r"torch.float64$"):
+                fallback_warnings(fm, lambda: ours(x32))
+            with pytest.raises(TypeError, match=r"^weight must be float32, float16 or bfloat16, got torch.float64$"):
+                fm.layers.RMSNorm.forward(norm, x32)
+            with pytest.raises(TypeError, match=r"^weight must be float32, float16 or bfloat16, got torch.float64$"):
+                fm.layers.Linear.forward(nn.Linear(H, 4, device=device, dtype=torch.float64), x32)
 
 
 def test_mixed_dtypes_behave_like_the_module(fm, device):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import GELU_APPROXIMATE, autocast_dtype, check_tensor, dtensor_type, is_plain, warn_once
+from ._common import FLOAT_DTYPES, GELU_APPROXIMATE, autocast_dtype, check_tensor, dtensor_type, is_plain, warn_once
 from .addmm import addmm as _addmm
 from .addmm import cpu_gemm_inference as _cpu_gemm_inference
 from .addmm import linear as _linear
@@ -168,8 +168,12 @@ class GeGLUMLP(nn.Module):
             b_gate, b_up, b_down = gp.get("bias"), upp.get("bias"), dp.get("bias")
             dtype = x.dtype
             autocast = autocast_dtype(x)
+            operands = (("gate_proj.weight", w_gate), ("up_proj.weight", w_up), ("down_proj.weight", w_down),
+                        ("gate_proj.bias", b_gate), ("up_proj.bias", b_up), ("down_proj.bias", b_down))
             if (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32) and (
-                autocast is not None  # every operand is cast to the autocast dtype, as F.linear would cast it
+                (  # every operand is cast to the autocast dtype, as F.linear would cast it (autocast leaves float64)
+                    autocast is not None and all(t is None or t.dtype in FLOAT_DTYPES for _, t in operands)
+                )
                 or (
                     w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
                     and (b_gate is None or b_gate.dtype is dtype)
@@ -178,7 +182,12 @@ class GeGLUMLP(nn.Module):
                 )
             ):
                 return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
-            check_tensor(x, "x")  # float64 & co raise, as in the other layers and the ops
+            # float64 & co raise, as in the other layers and the ops (under autocast too, where the module's F.linear
+            # raises: autocast does not cast float64)
+            check_tensor(x, "x")
+            for name, t in operands:
+                if t is not None:
+                    check_tensor(t, name)
             why = "the weights' dtypes differ from the input's (outside autocast)"
         elif activation is None:
             why = f"no fused kernel for the activation {type(act_fn).__name__}"

@@ -244,6 +244,8 @@ def rms_norm(
             except _FALLBACK_ERRORS:
                 pass  # the full path below
     check_tensor(x, "x")
+    if weight is not None:  # before out_dtype: the layers derive theirs from it (a float64 weight names the weight)
+        check_tensor(weight, "weight")
     # Cheap checks first (this runs on every call, inference included); anything unusual gets the full check.
     if type(eps) is not float or not (0.0 <= eps < _INF):  # NaN fails the comparison
         eps = check_finite(eps, "eps", nonnegative=True)
@@ -257,7 +259,6 @@ def rms_norm(
         raise ValueError("x must have at least one dimension [..., N]")
     n = x.shape[-1]
     if weight is not None:
-        check_tensor(weight, "weight")
         check_device(weight, x, "weight", "x")
         if weight.dim() != 1 or weight.shape[0] != n:
             raise ValueError(f"weight must have shape [{n}] (the last dim of x), got {list(weight.shape)}")
