@@ -439,6 +439,16 @@ def gpu_busy_us(fn: Callable[[], Any], kernels: dict[str, float] | None = None) 
     return busy_intervals_us((e.time_range.start, e.time_range.end) for e in events)
 
 
+def dynamo_lookup_us(fn: Callable[[], Any]) -> float:
+    """Host time Dynamo spends looking up its cache (evaluating the compiled frames' guards) during one call of
+    ``fn``, in us: the summed "TorchDynamo Cache Lookup" ranges of a CPU profile, one per call of a compiled frame."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.cpu_time_total for e in prof.events() if e.name == "TorchDynamo Cache Lookup")
+
+
 def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     """``torch.cuda.max_memory_allocated`` over one call of ``fn`` (absolute: includes what is already allocated,
     as the anchors measured it). None on the CPU."""

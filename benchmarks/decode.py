@@ -46,6 +46,9 @@ Method:
   A decode step is partly host-bound (generate's loop between graph replays; a third of the wall time on the H200's
   host), so the wall ratio moves by ~10% between runs while this one is steady: it says whether our kernels make
   the GPU's share faster or slower; the wall ratio is what a user gets.
+* Dynamo's cache lookup per token (compiled cells, any device: one CPU-profiled long and short call per provider
+  after the timed rounds, the same difference, ``bench_lib.dynamo_lookup_us``): the host time of the guard checks
+  before each step's graph, where kernelize's per-instance forwards give the kernelized model more guards.
 * Per row also: Dynamo graph breaks, graphs compiled and Inductor's CUDA-graph skips counted over that provider's
   calls in the cell (``torch._dynamo.utils.counters``).
 
@@ -84,6 +87,7 @@ from bench_lib import (  # noqa: E402
     collect_env,
     describe_exception,
     device_slug,
+    dynamo_lookup_us,
     gpu_busy_us,
     load_kernel,
     log,
@@ -105,7 +109,7 @@ COLUMNS = [
     "ms_per_token", "ms_per_token_p20", "ms_per_token_p80", "time_p50_ms", "tokens_per_s", "gen_ms", "short_gen_ms",
     "speedup_vs_plain", "best_anchor", "speedup_vs_best_anchor", "tokens_equal", "first_mismatch",
     "tokens_equal_vs_dynamic", "warmup_s", "compile_s", "graphs", "graph_breaks", "cudagraph_skips",
-    "gpu_busy_ms_per_token", "busy_speedup_vs_plain", "status", "note",
+    "gpu_busy_ms_per_token", "busy_speedup_vs_plain", "dynamo_lookup_us_per_token", "status", "note",
 ]
 
 
@@ -259,6 +263,7 @@ class Stats:
     warmup_long_s: float = 0.0
     tokens: torch.Tensor | None = None
     busy_ms: list[float] = field(default_factory=list)  # GPU busy ms per token, one per profiled pair of calls
+    lookup_us: float | None = None  # Dynamo's cache lookup (guards), host us per token, compiled cells
     error: str | None = None
 
 
@@ -418,6 +423,18 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             except Exception as e:  # noqa: BLE001 - the wall-time rows stand without it
                 log(f"[{op}] {cache} B={batch} {prov}: GPU busy not measured: {describe_exception(e)}")
                 break
+    # Compiled cells: the host time of Dynamo's cache lookup (guard evaluation) per token, the same long - short
+    # difference over one CPU-profiled pair of calls per provider: part of the step's host loop, where a kernelized
+    # model checks more guards than the plain one (docs/tuning-log.md#compile-guards).
+    for prov in live if static else ():
+        model = models[(prov, static)]
+        st = stats[prov]
+        try:
+            l_long = dynamo_lookup_us(lambda: timed_generate(model, ids, mask, n_long, static, cfg, device, st))
+            l_short = dynamo_lookup_us(lambda: timed_generate(model, ids, mask, n_short, static, cfg, device, st))
+            st.lookup_us = (l_long - l_short) / (n_long - n_short)
+        except Exception as e:  # noqa: BLE001 - the wall-time rows stand without it
+            log(f"[{op}] {cache} B={batch} {prov}: Dynamo lookup not measured: {describe_exception(e)}")
 
     rows: dict[str, dict] = {}
     busy: dict[str, float] = {}
@@ -439,6 +456,8 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
                           compile_s=max(st.warmup_long_s * 1e3 - gen_ms, 0.0) / 1e3, **counts)
         if st.busy_ms:
             busy[prov] = rows[prov]["gpu_busy_ms_per_token"] = statistics.median(st.busy_ms)
+        if st.lookup_us is not None:
+            rows[prov]["dynamo_lookup_us_per_token"] = st.lookup_us
     plain_tokens = stats["eager"].tokens if "eager" in stats else None
     if not static and plain_tokens is not None:
         dynamic_tokens[batch] = plain_tokens
@@ -461,6 +480,9 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
     if {"eager", "ours"} <= busy.keys() and busy["ours"] > 0:
         ratio += (f"; GPU busy ms/token eager={busy['eager']:.3f} ours={busy['ours']:.3f}, "
                   f"{busy['eager'] / busy['ours']:.3f}x")
+    lookups = {p: stats[p].lookup_us for p in ("eager", "ours") if p in stats and stats[p].lookup_us is not None}
+    if len(lookups) == 2:
+        ratio += f"; Dynamo lookup us/token eager={lookups['eager']:.1f} ours={lookups['ours']:.1f}"
     eq = rows.get("ours", {}).get("tokens_equal")
     log(f"[{op}] {cache} B={batch}: ms/token {summary}{ratio}" + (f", tokens equal {eq:.3f}" if eq is not None else "")
         + f" ({time.monotonic() - t_cell:.1f} s)")
@@ -563,7 +585,8 @@ def dry_run(args: argparse.Namespace) -> int:
         meas = 0.0
         for cache in args.caches:
             per_tok = (_EST_STATIC_MS_PER_LAYER if cache == "static" else _EST_EAGER_MS_PER_LAYER) * layers
-            calls = (args.rounds + 1 + args.busy_rounds) * len(args.providers) * len(args.batches)
+            rounds = args.rounds + 1 + args.busy_rounds + (cache == "static")  # + the Dynamo-lookup pair
+            calls = rounds * len(args.providers) * len(args.batches)
             meas += calls * (args.new_tokens + 2) * per_tok / 1e3
         s = _EST_BUILD_S + compile_s + meas
         total += s

@@ -44,15 +44,17 @@ def test_decode_benchmark_cpu_quick(tmp_path):
             # transformers compiled the decode step once per provider and cell (batch 1: a static graph; batch 2:
             # one with a dynamic batch dim), with no recompile over the decode steps and the timed calls
             assert int(r["graphs"]) == 1, r
+            # the guard checks before each compiled step, host time per token (measured on every device)
+            assert float(r["dynamo_lookup_us_per_token"]) > 0, r
             # fp32: the plain model's DynamicCache tokens again (rounding-level differences cannot flip greedy here)
             assert float(r["tokens_equal_vs_dynamic"]) == 1.0, r
         else:
-            assert int(r["graphs"]) == 0, r
+            assert int(r["graphs"]) == 0 and r["dynamo_lookup_us_per_token"] == "", r
         if prov == "ours":
             assert "GeGLUMLPx2" in r["note"] and "RMSNorm" in r["note"], r  # the layers really were swapped in
             assert float(r["tokens_equal"]) == 1.0 and r["first_mismatch"] == "", r
             plain = by[(model, cache, batch, "eager")]
             ratio = float(plain["ms_per_token"]) / ms
             assert abs(float(r["speedup_vs_plain"]) - ratio) <= 1e-4 * ratio, (r, plain)
-    assert "ours/plain" in proc.stdout
+    assert "ours/plain" in proc.stdout and "Dynamo lookup us/token" in proc.stdout
     assert (csv_path.parent / "decode.png").stat().st_size > 1000
