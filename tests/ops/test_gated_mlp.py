@@ -245,6 +245,13 @@ def test_float64_raises_like_the_other_layers(fm, device, training):
                 fm.layers.RMSNorm.forward(norm, x32)
             with pytest.raises(TypeError, match=r"^weight must be float32, float16 or bfloat16, got torch.float64$"):
                 fm.layers.Linear.forward(nn.Linear(H, 4, device=device, dtype=torch.float64), x32)
+    # One float64 projection among fp32 ones is named too (here under autocast, where the others would be cast).
+    _, ours32, _ = build("gemma", device, torch.float32, kernels.Mode.TRAINING if training else kernels.Mode.INFERENCE)
+    ours32.mlp.down_proj.double()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match=r"^down_proj.weight must be float32, float16 or bfloat16, got "
+                                            r"torch.float64$"):
+            fallback_warnings(fm, lambda: ours32(x32))
 
 
 def test_mixed_dtypes_behave_like_the_module(fm, device):

@@ -138,6 +138,11 @@ def _plain_linear(m) -> bool:
     )
 
 
+def _autocast_casts(*tensors: torch.Tensor | None) -> bool:
+    """Whether autocast casts every one of ``tensors`` (None: an absent bias) to its dtype: it leaves float64 alone."""
+    return all(t is None or t.dtype in FLOAT_DTYPES for t in tensors)
+
+
 class GeGLUMLP(nn.Module):
     """Gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma/Gemma2/Gemma3 (tanh-GeLU), exact-GeLU
     MLPs and Llama/Qwen/Mistral (SiLU: SwiGLU).
@@ -145,7 +150,8 @@ class GeGLUMLP(nn.Module):
     Reads ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear, bias optional) and ``act_fn``. The projections go
     through cuBLAS, the activation and the product are one kernel (fp32 math, one rounding), and in training only
     ``x``, ``gate`` and ``up`` are kept for backward. Any other activation, a non-plain Linear (subclass, hooks,
-    quantised weights) or mixed dtypes outside autocast run the module's own math, with exactly its result.
+    quantised weights) or mixed dtypes outside autocast run the module's own math, with exactly its result;
+    float64 inputs or weights raise the ops' TypeError instead.
     """
 
     can_torch_compile = True
@@ -168,24 +174,23 @@ class GeGLUMLP(nn.Module):
             b_gate, b_up, b_down = gp.get("bias"), upp.get("bias"), dp.get("bias")
             dtype = x.dtype
             autocast = autocast_dtype(x)
-            operands = (("gate_proj.weight", w_gate), ("up_proj.weight", w_up), ("down_proj.weight", w_down),
-                        ("gate_proj.bias", b_gate), ("up_proj.bias", b_up), ("down_proj.bias", b_down))
             if (dtype is torch.bfloat16 or dtype is torch.float16 or dtype is torch.float32) and (
-                (  # every operand is cast to the autocast dtype, as F.linear would cast it (autocast leaves float64)
-                    autocast is not None and all(t is None or t.dtype in FLOAT_DTYPES for _, t in operands)
-                )
-                or (
-                    w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
+                (
+                    autocast is None
+                    and w_gate.dtype is dtype and w_up.dtype is dtype and w_down.dtype is dtype
                     and (b_gate is None or b_gate.dtype is dtype)
                     and (b_up is None or b_up.dtype is dtype)
                     and (b_down is None or b_down.dtype is dtype)
                 )
+                # under autocast every operand is cast to its dtype, as F.linear would cast it, float64 excepted
+                or (autocast is not None and _autocast_casts(w_gate, w_up, w_down, b_gate, b_up, b_down))
             ):
                 return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, autocast)
-            # float64 & co raise, as in the other layers and the ops (under autocast too, where the module's F.linear
-            # raises: autocast does not cast float64)
+            # float64 & co raise, as in the other layers and the ops: an input, or weights (under autocast too, where
+            # the module's F.linear raises on them: autocast does not cast float64)
             check_tensor(x, "x")
-            for name, t in operands:
+            for name, t in (("gate_proj.weight", w_gate), ("up_proj.weight", w_up), ("down_proj.weight", w_down),
+                            ("gate_proj.bias", b_gate), ("up_proj.bias", b_up), ("down_proj.bias", b_down)):
                 if t is not None:
                     check_tensor(t, name)
             why = "the weights' dtypes differ from the input's (outside autocast)"

@@ -244,9 +244,11 @@ def rms_norm(
             except _FALLBACK_ERRORS:
                 pass  # the full path below
     check_tensor(x, "x")
-    if weight is not None:  # before out_dtype: the layers derive theirs from it (a float64 weight names the weight)
+    # The weight's dtype before the other arguments: the layers derive out_dtype from it, so a float64 weight names
+    # the weight, not an out_dtype the user never passed.
+    if weight is not None:
         check_tensor(weight, "weight")
-    # Cheap checks first (this runs on every call, inference included); anything unusual gets the full check.
+    # Then cheap checks first (this runs on every call, inference included); anything unusual gets the full check.
     if type(eps) is not float or not (0.0 <= eps < _INF):  # NaN fails the comparison
         eps = check_finite(eps, "eps", nonnegative=True)
     if type(offset) is not float or not (-_INF < offset < _INF):
