@@ -47,8 +47,9 @@ Method:
   host), so the wall ratio moves by ~10% between runs while this one is steady: it says whether our kernels make
   the GPU's share faster or slower; the wall ratio is what a user gets.
 * Dynamo's cache lookup per token (compiled cells, any device: one CPU-profiled long and short call per provider
-  after the timed rounds, the same difference, ``bench_lib.dynamo_lookup_us``): the host time of the guard checks
-  before each step's graph, where kernelize's per-instance forwards give the kernelized model more guards.
+  after the timed rounds, the same difference, ``bench_lib.dynamo_lookup_us``): the profiled range in which Dynamo
+  evaluates the guards before each step's graph (profiler overhead included), where kernelize's per-instance
+  forwards give the kernelized model more guards.
 * Per row also: Dynamo graph breaks, graphs compiled and Inductor's CUDA-graph skips counted over that provider's
   calls in the cell (``torch._dynamo.utils.counters``).
 
@@ -423,7 +424,7 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             except Exception as e:  # noqa: BLE001 - the wall-time rows stand without it
                 log(f"[{op}] {cache} B={batch} {prov}: GPU busy not measured: {describe_exception(e)}")
                 break
-    # Compiled cells: the host time of Dynamo's cache lookup (guard evaluation) per token, the same long - short
+    # Compiled cells: the profiled host range of Dynamo's cache lookup (guard evaluation) per token, the long - short
     # difference over one CPU-profiled pair of calls per provider: part of the step's host loop, where a kernelized
     # model checks more guards than the plain one (docs/tuning-log.md#compile-guards).
     for prov in live if static else ():
