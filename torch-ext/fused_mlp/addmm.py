@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._common import EPILOGUE_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._common import EPILOGUE_ACTIVATIONS, FLOAT_DTYPES, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
 from ._decode import linear_runtime_limit as _linear_runtime_limit
 from ._decode import use_linear_decode as _use_linear_decode
 from ._ops import add_op_namespace_prefix, ops
@@ -121,7 +121,7 @@ class _AddmmFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else mat1.dtype
         # An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast (it reads either dtype).
-        declare_grad_dtypes(ctx, None, None)
+        declare_grad_dtypes(ctx, None, None, out_dtype=y.dtype)  # z is non-differentiable: y's dtype decides
         return y, z
 
     @staticmethod
@@ -295,8 +295,6 @@ def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w.contiguous(), False
 
 
-_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
-
 
 def _addmm_impl(
     bias: torch.Tensor | None,
@@ -353,9 +351,9 @@ def _addmm_impl(
                 pass
     bias_name, x_name, w_name = names
     act = _op_activation(activation)
-    if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES):
+    if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES):
         check_tensor(x, x_name)
-    if not (isinstance(w_kn, torch.Tensor) and w_kn.dtype in _FLOAT_DTYPES):
+    if not (isinstance(w_kn, torch.Tensor) and w_kn.dtype in FLOAT_DTYPES):
         check_tensor(w_kn, w_name)
     x_device = x.device
     if w_kn.device != x_device:
@@ -371,7 +369,7 @@ def _addmm_impl(
             f"({k} vs {k_w})"
         )
     if bias is not None:
-        if not (isinstance(bias, torch.Tensor) and bias.dtype in _FLOAT_DTYPES):
+        if not (isinstance(bias, torch.Tensor) and bias.dtype in FLOAT_DTYPES):
             check_tensor(bias, bias_name)
         if bias.device != x_device:
             check_device(bias, x, bias_name, x_name)

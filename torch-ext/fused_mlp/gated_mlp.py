@@ -100,7 +100,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-        declare_grad_dtypes(ctx, None)
+        declare_grad_dtypes(ctx, None, out_dtype=y.dtype)
         return y
 
     @staticmethod
