@@ -1284,6 +1284,70 @@ def test_cpu_16bit_training_is_atens(fm, monkeypatch, dtype, layout, bias):
     assert calls == ["_fwd"]
 
 
+def _graph_ops(gm: torch.fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("training", [False, True])
+def test_cpu_compiled_traces_atens_gemm(fm, dtype, layout, training):
+    """Under torch.compile on the CPU, a call without an activation that the eager rules hand to ATen's GEMM
+    (fp32 inference; 16-bit where oneDNN runs the dtype natively, training included) traces F.linear: Inductor gets the
+    plain model's graph (extern mm, fused neighbours), not an opaque op call that copies the product once more
+    (compiled tiny-model decode: 0.77-0.92x the plain compiled model with the op). One graph for token counts 1, 7
+    and 300 (no guard on the count: without native oneDNN a symbolic count keeps the op), the same bits as F.linear
+    traced alone, gradients included."""
+    addmm_mod = sys.modules[fm.__name__ + ".addmm"]
+    native = dtype is torch.float32 or addmm_mod._onednn_native(dtype)
+    aten = native and (not training or dtype is not torch.float32)  # fp32 training keeps the op (fp64 bias sums)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(40, 48, generator=g) / 7).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    w_kn = w.t() if layout == "linear" else w.t().contiguous()
+    if training:
+        w_kn.requires_grad_()
+        b.requires_grad_()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x):
+        return _call(fm, layout, b, x, w_kn, None)
+
+    def ref(x):
+        return F.linear(x, w_kn.t(), b)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True), (contextlib.nullcontext() if training
+                                                               else torch.no_grad()):
+        for t in (1, 7, 300):
+            x = torch.randn(2, t, 48, generator=g).to(dtype).requires_grad_(training)
+            torch._dynamo.decorators.mark_unbacked(x, 1)
+            y = compiled(x)
+            y_ref = ref(x)
+            if aten:
+                assert torch.equal(y, y_ref)
+            else:  # the op: its own rounding (test_forward_rounded_once), F.linear's within a few ulps
+                torch.testing.assert_close(y, y_ref)
+            if training:
+                dy = torch.randn(y.shape, generator=g).to(dtype)
+                got = torch.autograd.grad(y, (x, w_kn, b), dy)
+                want = torch.autograd.grad(y_ref, (x, w_kn, b), dy)
+                if aten:
+                    for a, e in zip(got, want):
+                        assert torch.equal(a, e)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    ops_in_graph = _graph_ops(graphs[0])
+    took_op = any("addmm_fwd" in o for o in ops_in_graph) or any("Function" in o or "apply" in o
+                                                               for o in ops_in_graph)
+    assert took_op != aten, ops_in_graph
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -28,7 +28,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._common import EPILOGUE_ACTIVATIONS, FLOAT_DTYPES, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._common import (
+    EPILOGUE_ACTIVATIONS,
+    FLOAT_DTYPES,
+    autocast_dtype,
+    check_device,
+    check_tensor,
+    declare_grad_dtypes,
+    statically_true,
+)
 from ._decode import linear_runtime_limit as _linear_runtime_limit
 from ._decode import use_linear_decode as _use_linear_decode
 from ._ops import add_op_namespace_prefix, ops
@@ -170,6 +178,10 @@ def _onednn_native(dt: torch.dtype) -> bool:
     return v
 
 
+# The probe is a constant to torch.compile (evaluated when the graph is traced).
+_onednn_native_traced = torch.compiler.assume_constant_result(_onednn_native)
+
+
 def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
     """CPU inference without an activation (the caller checks those two), x, w and the bias (if any, [N]) of one
     dtype: ATen's CPU GEMM accumulates in fp32 and rounds each output once, the bias added before that rounding --
@@ -188,6 +200,8 @@ def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     if x.dim() != 2 and not x.is_contiguous():  # F.linear runs such x as matmul + bias.add_: two roundings in 16 bits
         return False
     k = x.shape[-1]
+    if _is_compiling():  # decided without a guard on the (possibly symbolic) token count
+        return _onednn_native_traced(dt) or statically_true(x.numel() <= _CPU_16BIT_ATEN_MAX_ROWS * k)
     return (x.numel() // k if k else 0) <= _CPU_16BIT_ATEN_MAX_ROWS or _onednn_native(dt)
 
 
@@ -200,7 +214,8 @@ def _cpu_aten_training(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     runs it. fp32 keeps the op (its bias gradient sums in fp64); so does fp16 without native oneDNN (ATen's fp16
     GEMMs there: 17-156x the op's time)."""
     dt = x.dtype
-    return dt is not _F32 and x.device.type == "cpu" and _onednn_native(dt) and _cpu_aten_gemm(x, w, bias, n)
+    return (dt is not _F32 and x.device.type == "cpu"
+            and (_onednn_native_traced(dt) if _is_compiling() else _onednn_native(dt)) and _cpu_aten_gemm(x, w, bias, n))
 
 
 def _linear_pointwise_op() -> Any:
@@ -404,7 +419,9 @@ def _addmm_impl(
     if not training:  # inference: no autograd node, no saved pre-activation
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             bias = _bias_as_row(bias, n)
-        if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_gemm(x2, w2, bias, n):
+        if act == "none" and _cpu_aten_gemm(x2, w2, bias, n):
+            # ATen's GEMM is the op's math here; under torch.compile it is also what Inductor gets from the plain
+            # model (extern mm, fused neighbours), where the op was an opaque call (docs/tuning-log.md#compile-policy)
             return F.linear(x2, w2.t(), bias).view(out_shape)
         if act != "none" and not torch.compiler.is_compiling() and _cpu_onednn_gelu(x2, w2, bias, n):
             return _LINEAR_POINTWISE(x2, w2.t(), bias, "gelu", [], _ONEDNN_GELU[act]).view(out_shape)
@@ -417,8 +434,8 @@ def _addmm_impl(
                     return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
-    if act == "none" and not torch.compiler.is_compiling() and _cpu_aten_training(x, w_kn, bias, n):
-        return F.linear(x, w_kn.t(), bias)
+    if act == "none" and _cpu_aten_training(x2, w2, bias, n):  # 2-D x2: one rounding whatever x's layout
+        return F.linear(x2, w2.t(), bias).view(out_shape)
     if act != "none" and not torch.compiler.is_compiling() and _cpu_onednn_gelu(x, w_kn, bias, n):
         return _CpuOneDnnGeluFunction.apply(x, w_kn, bias, act)
     y, _ = _AddmmFunction.apply(bias, x2, w2, act, act != "none", dw_transposed, out_shape)
