@@ -214,8 +214,9 @@ def _cpu_aten_training(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     runs it. fp32 keeps the op (its bias gradient sums in fp64); so does fp16 without native oneDNN (ATen's fp16
     GEMMs there: 17-156x the op's time)."""
     dt = x.dtype
-    return (dt is not _F32 and x.device.type == "cpu"
-            and (_onednn_native_traced(dt) if _is_compiling() else _onednn_native(dt)) and _cpu_aten_gemm(x, w, bias, n))
+    if dt is _F32 or x.device.type != "cpu":
+        return False
+    return (_onednn_native_traced(dt) if _is_compiling() else _onednn_native(dt)) and _cpu_aten_gemm(x, w, bias, n)
 
 
 def _linear_pointwise_op() -> Any:
@@ -308,7 +309,6 @@ def _mat2_layout(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if (k <= 1 or s0 == 1) and (n <= 1 or s1 >= max(k, 1)):
         return w, True
     return w.contiguous(), False
-
 
 
 def _addmm_impl(
