@@ -418,6 +418,7 @@ def test_torch_compile_fullgraph_training(fm, device, family, backend, policy, m
     assert_fp32_close(got2[0], want2[0], "second-call loss")
 
 
+@pytest.mark.filterwarnings("ignore:fused_mlp. GeGLUMLP runs the module's own PyTorch math:UserWarning")
 def test_checks_catch_silent_non_kernelization(fm, device):
     """The harness itself: a model kernelized without its opt-ins (nothing replaced), or whose MLP falls back to the
     module's own math (an activation the kernel does not have), fails the checks above."""
