@@ -164,6 +164,7 @@ _CPU_16BIT_ATEN_MAX_ROWS = 32
 _ONEDNN_NATIVE: dict[torch.dtype, bool] = {}
 
 
+@torch.compiler.assume_constant_result  # a constant to torch.compile (evaluated when the graph is traced)
 def _onednn_native(dt: torch.dtype) -> bool:
     """Does this CPU's oneDNN run dt's GEMM natively (then ATen's 16-bit GEMM beats the op's widened one at any
     size)? Feature-detected once per dtype; False where torch has no such probe."""
@@ -176,10 +177,6 @@ def _onednn_native(dt: torch.dtype) -> bool:
             v = False
         _ONEDNN_NATIVE[dt] = v
     return v
-
-
-# The probe is a constant to torch.compile (evaluated when the graph is traced).
-_onednn_native_traced = torch.compiler.assume_constant_result(_onednn_native)
 
 
 def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> bool:
@@ -201,7 +198,7 @@ def _cpu_aten_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         return False
     k = x.shape[-1]
     if _is_compiling():  # decided without a guard on the (possibly symbolic) token count
-        return _onednn_native_traced(dt) or statically_true(x.numel() <= _CPU_16BIT_ATEN_MAX_ROWS * k)
+        return _onednn_native(dt) or statically_true(x.numel() <= _CPU_16BIT_ATEN_MAX_ROWS * k)
     return (x.numel() // k if k else 0) <= _CPU_16BIT_ATEN_MAX_ROWS or _onednn_native(dt)
 
 
@@ -216,7 +213,7 @@ def _cpu_aten_training(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     dt = x.dtype
     if dt is _F32 or x.device.type != "cpu":
         return False
-    return (_onednn_native_traced(dt) if _is_compiling() else _onednn_native(dt)) and _cpu_aten_gemm(x, w, bias, n)
+    return _onednn_native(dt) and _cpu_aten_gemm(x, w, bias, n)
 
 
 def _linear_pointwise_op() -> Any:
