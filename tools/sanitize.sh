@@ -4,7 +4,9 @@
 #   tools/sanitize_rms_norm.py every rms_norm kernel branch (rows/wide, prefetch, smem dW, misaligned)
 # Tools: memcheck, racecheck, initcheck, synccheck (SANITIZE_TOOLS narrows). PyTorch's caching allocator is off so
 # out-of-bounds accesses land outside a real allocation; only our kernels (namespace fused_mlp) are checked unless
-# SANITIZE_KERNEL_FILTER says otherwise. Racecheck notes: docs/releasing.md.
+# SANITIZE_KERNEL_FILTER says otherwise -- except by initcheck, which runs unfiltered (SANITIZE_INITCHECK_FILTER):
+# with the filter it cannot see the writes of torch's own kernels and reports our kernels' inputs as uninitialized.
+# Racecheck and initcheck notes: docs/releasing.md.
 # Prints one summary line per (tool, driver); exit status non-zero on any error or mismatch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,8 +52,9 @@ for tool in $tools; do
     name="$(basename "$driver" .py)${sections:+-${sections//,/+}}"
     log="/tmp/sanitize-$tool-$name.log"
     f=$filter
+    [ "$tool" = initcheck ] && f="${SANITIZE_INITCHECK_FILTER-}"
     # the CUTLASS kernels are named after their templates (fm_sm90::...), not after the op namespace
-    [[ "$driver" == *sanitize_gated_gemm* ]] && [ -n "$filter" ] && f="kns=fm_sm90"
+    [[ "$driver" == *sanitize_gated_gemm* ]] && [ -n "$f" ] && f="kns=fm_sm90"
     timeout "$per_run" "$CS" --tool "$tool" ${f:+--kernel-name "$f"} --error-exitcode 97 \
       python3 "$driver" $sections > "$log" 2>&1
     rc=$?
