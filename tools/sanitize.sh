@@ -2,6 +2,8 @@
 # compute-sanitizer over drivers that run every CUDA kernel and configuration branch once:
 #   tools/sanitize_cases.py    every op (rms_norm, geglu/swiglu, linear/addmm) fwd+bwd, all dtypes, odd N, strides
 #   tools/sanitize_rms_norm.py every rms_norm kernel branch (rows/wide, prefetch, smem dW, misaligned)
+#   tools/sanitize_gated_gemm.py, tools/sanitize_addmm_sm90.py  the sm_90 CUTLASS GEMMs with our epilogues
+#   (sanitize_cases.py's "decode" section: the decode-class gated MLP and linear kernels)
 # Tools: memcheck, racecheck, initcheck, synccheck (SANITIZE_TOOLS narrows). PyTorch's caching allocator is off so
 # out-of-bounds accesses land outside a real allocation; only our kernels (namespace fused_mlp) are checked unless
 # SANITIZE_KERNEL_FILTER says otherwise -- except by initcheck, which runs unfiltered (SANITIZE_INITCHECK_FILTER):
@@ -18,10 +20,11 @@ tools="${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
 # racecheck runs sanitize_cases.py one section at a time (addmm_no_lt included: cuBLASLt off), so that a tool
 # failure there (seen once on the H200: "Internal Sanitizer Error: failed to handle a hardware exception") is pinned
 # to a section; see docs/releasing.md#compute-sanitizer.
-drivers="${SANITIZE_DRIVERS:-tools/sanitize_cases.py tools/sanitize_rms_norm.py tools/sanitize_gated_gemm.py}"
+drivers="${SANITIZE_DRIVERS:-tools/sanitize_cases.py tools/sanitize_rms_norm.py tools/sanitize_gated_gemm.py \
+tools/sanitize_addmm_sm90.py}"
 racecheck_drivers="${SANITIZE_RACECHECK_DRIVERS:-tools/sanitize_cases.py:rms_norm tools/sanitize_cases.py:gated \
-tools/sanitize_cases.py:addmm tools/sanitize_cases.py:addmm_no_lt tools/sanitize_rms_norm.py \
-tools/sanitize_gated_gemm.py}"
+tools/sanitize_cases.py:addmm tools/sanitize_cases.py:addmm_no_lt tools/sanitize_cases.py:decode \
+tools/sanitize_rms_norm.py tools/sanitize_gated_gemm.py tools/sanitize_addmm_sm90.py}"
 per_run="${SANITIZE_TIMEOUT:-240}"
 # Which kernels the tool instruments: ours by default. SANITIZE_KERNEL_FILTER= (empty) checks every kernel,
 # cuBLAS/cuBLASLt's included (slow; memcheck on tools/sanitize_cases.py:addmm is the useful one).
@@ -55,6 +58,7 @@ for tool in $tools; do
     [ "$tool" = initcheck ] && f="${SANITIZE_INITCHECK_FILTER-}"
     # the CUTLASS kernels are named after their templates (fm_sm90::...), not after the op namespace
     [[ "$driver" == *sanitize_gated_gemm* ]] && [ -n "$f" ] && f="kns=fm_sm90"
+    [[ "$driver" == *sanitize_addmm_sm90* ]] && [ -n "$f" ] && f="kns=fm_addmm_sm90"
     timeout "$per_run" "$CS" --tool "$tool" ${f:+--kernel-name "$f"} --error-exitcode 97 \
       python3 "$driver" $sections > "$log" 2>&1
     rc=$?

@@ -11,6 +11,9 @@ Sections (argv or SANITIZE_CASES, comma-separated; default: all but addmm_no_lt)
   gated        geglu (tanh, erf) / swiglu fwd/bwd
   addmm        linear/addmm through cuBLASLt (epilogues, fp32-accumulator path, backward)
   addmm_no_lt  the same cases with cuBLASLt switched off (_addmm_lt_force_fallback(2): at::mm + our kernels only)
+  decode       the decode-class ops (kernels_src/cuda/gated_gemv.cu): gated_mlp_decode and linear_decode at every
+               token class and its edges, K and row tails, every activation; references without GEMM calls (racecheck
+               cannot run cuBLAS's Hopper GEMMs); sm_80+ only
 Every case prints a line (flushed) before it runs, so a log cut short by a crash names the case that was running.
 The racecheck run of the whole driver on the H200 ended in "Internal Sanitizer Error: failed to handle a hardware
 exception" (memcheck was clean on the same driver, racecheck clean on tools/sanitize_rms_norm.py); tools/sanitize.sh
@@ -29,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-SECTIONS = ("rms_norm", "gated", "addmm", "addmm_no_lt")
+SECTIONS = ("rms_norm", "gated", "addmm", "addmm_no_lt", "decode")
 
 
 def main(argv: list[str]) -> int:
@@ -103,6 +106,8 @@ def main(argv: list[str]) -> int:
             run_addmm(fm, dev, dtypes, tol, check, case, section)
         finally:
             fm._ops.ops._addmm_lt_force_fallback(0)
+    if "decode" in sections:
+        run_decode(fm, tol, check, case)
     torch.cuda.synchronize()
     for line in bad:
         print("MISMATCH", line)
@@ -124,6 +129,39 @@ def run_addmm(fm, dev, dtypes, tol, check, case, section) -> None:
                     check(f"linear m={m} k={k} n={n} {dt} {act} bias={with_bias}", out, ref.to(dt), tol[dt] * 4)
                     out.float().sum().backward()
                     torch.cuda.synchronize()
+
+
+def mm32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in fp32 by broadcasting, not a GEMM library call (racecheck cannot run cuBLAS's Hopper GEMMs)."""
+    return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(2)
+
+
+def run_decode(fm, tol, check, case) -> None:
+    import torch.nn.functional as F
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        print("decode section skipped (needs sm_80+)", flush=True)
+        return
+    ops = fm._ops.ops
+    acts = {"gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+    # (H, I, H_out): K tails (8 past a multiple of 32) and row tails (8 past a multiple of 16) in both passes, K
+    # shorter than one chunk, H_out below one row tile
+    for h, i, h_out in ((264, 1032, 264), (136, 520, 24), (8, 8, 8)):
+        for dt in (torch.bfloat16, torch.float16):
+            x = torch.randn(64, h, device="cuda").to(dt)
+            wg = (torch.randn(i, h, device="cuda") * h ** -0.5).to(dt)
+            wu = (torch.randn(i, h, device="cuda") * h ** -0.5).to(dt)
+            wd = (torch.randn(h_out, i, device="cuda") * i ** -0.5).to(dt)
+            for t in (1, 8, 9, 16, 17, 33, 64):  # every token class (1, 2, 4, 8 n8-tiles) and its edges
+                case(f"decode linear T={t} N={h_out} K={i} {dt}")
+                xi = (torch.randn(t, i, device="cuda")).to(dt)
+                check(f"linear_decode T={t} {h_out}x{i} {dt}", ops.linear_decode(xi, wd), mm32(xi, wd), tol[dt] * 4)
+                for act, fn in acts.items():
+                    case(f"decode gated_mlp T={t} H={h} I={i} H_out={h_out} {dt} {act}")
+                    y = ops.gated_mlp_decode(x[:t], wg, wu, wd, act)
+                    hh = (fn(mm32(x[:t], wg)) * mm32(x[:t], wu)).to(dt)  # h is rounded once to dt by the op
+                    check(f"gated_mlp_decode T={t} {h}x{i}x{h_out} {dt} {act}", y, mm32(hh, wd), tol[dt] * 4)
+            torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
