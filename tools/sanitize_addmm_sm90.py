@@ -14,32 +14,17 @@ Exits non-zero if a result disagrees with the fp32 reference, so a kernel that c
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from sanitize_common import ACT, mm32, run_sm90_driver
 
-ROOT = Path(__file__).resolve().parent.parent
 MODES = {"pingpong": 3, "cooperative": 4}  # _addmm_sm90_mode: 3 / 4 = on with that config (test_addmm.py's table)
 SHAPES = ((300, 504, 136), (5, 40, 24), (130, 8, 264))  # (M, K, N)
-ACT = {"none": lambda z: z, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
+ACTS = {"none": lambda z: z, "gelu_tanh": ACT["gelu_tanh"], "gelu": ACT["gelu"]}
 
 
-def mm32(x: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
-    """x @ w_kn in fp32 without a GEMM library call: racecheck cannot run cuBLAS's Hopper GEMMs
-    (docs/releasing.md#compute-sanitizer)."""
-    return (x.float().unsqueeze(2) * w_kn.float().unsqueeze(0)).sum(1)
-
-
-def main() -> int:
-    import kernels
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        print("done: skipped (not an sm_90 GPU)")
-        return 0
-    fm = kernels.get_local_kernel(ROOT)
+def cases(fm, bad: list[str]) -> None:
     ops = fm._ops.ops
-    bad = []
     tol = {torch.bfloat16: 0.05, torch.float16: 0.01}
     prev = ops._addmm_sm90_mode(0)
     try:
@@ -50,35 +35,27 @@ def main() -> int:
                     torch.manual_seed(m + k + n)
                     x = torch.randn(m, k, device="cuda").to(dt)
                     w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dt)
+                    mm = mm32(x, w)  # both layouts compute x @ w.T
                     for layout, w_kn in (("linear", w.t()), ("conv1d", w.t().contiguous())):
                         for bias_kind in ("same", "fp32", "none"):
                             b = None if bias_kind == "none" else torch.randn(n, device="cuda")
                             if bias_kind == "same":
                                 b = b.to(dt)
-                            for act in ("none", "gelu_tanh", "gelu"):
+                            z_ref = mm if b is None else mm + b.float()
+                            for act, fn in ACTS.items():
+                                ref = fn(z_ref)
                                 for save in (False, True):
-                                    print(f"case: {config} {dt} M={m} K={k} N={n} {layout} bias={bias_kind} {act} "
-                                          f"save_preact={save}", flush=True)
+                                    what = f"{config} {dt} {m}x{k}x{n} {layout} bias={bias_kind} {act} save={save}"
+                                    print(f"case: {what}", flush=True)
                                     y, z = ops.addmm_fwd(b, x, w_kn, act, save, [m, n])
-                                    z_ref = mm32(x, w_kn) + (0 if b is None else b.float())
-                                    ref = ACT[act](z_ref)
-                                    scale = max(1.0, ref.abs().max().item())
-                                    err = (y.float() - ref).abs().max().item()
-                                    if not err <= tol[dt] * scale:
-                                        bad.append(f"{config} {dt} {m}x{k}x{n} {layout} {bias_kind} {act} y: {err:.3g}")
-                                    if save and act != "none":
-                                        err = (z.float() - z_ref).abs().max().item()
-                                        if not err <= tol[dt] * max(1.0, z_ref.abs().max().item()):
-                                            bad.append(f"{config} {dt} {m}x{k}x{n} {layout} {bias_kind} {act} Z: "
-                                                       f"{err:.3g}")
+                                    checks = [("y", y, ref)] + ([("Z", z, z_ref)] if save and act != "none" else [])
+                                    for name, out, r in checks:
+                                        err = (out.float() - r).abs().max().item()
+                                        if not err <= tol[dt] * max(1.0, r.abs().max().item()):
+                                            bad.append(f"{what} {name}: {err:.3g}")
     finally:
         ops._addmm_sm90_mode(prev)
-    torch.cuda.synchronize()
-    for b in bad:
-        print("mismatch:", b)
-    print("done" if not bad else f"done with {len(bad)} mismatches", flush=True)
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_sm90_driver(cases))

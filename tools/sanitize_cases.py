@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from sanitize_common import ACT, ROOT, mm32
 
 
 SECTIONS = ("rms_norm", "gated", "addmm", "addmm_no_lt", "decode")
@@ -131,19 +128,11 @@ def run_addmm(fm, dev, dtypes, tol, check, case, section) -> None:
                     torch.cuda.synchronize()
 
 
-def mm32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in fp32 by broadcasting, not a GEMM library call (racecheck cannot run cuBLAS's Hopper GEMMs)."""
-    return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(2)
-
-
 def run_decode(fm, tol, check, case) -> None:
-    import torch.nn.functional as F
-
     if torch.cuda.get_device_capability() < (8, 0):
         print("decode section skipped (needs sm_80+)", flush=True)
         return
     ops = fm._ops.ops
-    acts = {"gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
     # (H, I, H_out): K tails (8 past a multiple of 32) and row tails (8 past a multiple of 16) in both passes, K
     # shorter than one chunk, H_out below one row tile
     for h, i, h_out in ((264, 1032, 264), (136, 520, 24), (8, 8, 8)):
@@ -156,7 +145,7 @@ def run_decode(fm, tol, check, case) -> None:
                 case(f"decode linear T={t} N={h_out} K={i} {dt}")
                 xi = (torch.randn(t, i, device="cuda")).to(dt)
                 check(f"linear_decode T={t} {h_out}x{i} {dt}", ops.linear_decode(xi, wd), mm32(xi, wd), tol[dt] * 4)
-                for act, fn in acts.items():
+                for act, fn in ACT.items():
                     case(f"decode gated_mlp T={t} H={h} I={i} H_out={h_out} {dt} {act}")
                     y = ops.gated_mlp_decode(x[:t], wg, wu, wd, act)
                     hh = (fn(mm32(x[:t], wg)) * mm32(x[:t], wu)).to(dt)  # h is rounded once to dt by the op

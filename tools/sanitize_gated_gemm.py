@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parent.parent
-ACT = {"gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+from sanitize_common import ACT, run_sm90_driver
 
 
-def main() -> int:
-    import kernels
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        print("done: skipped (not an sm_90 GPU)")
-        return 0
-    fm = kernels.get_local_kernel(ROOT)
+def cases(fm, bad: list[str]) -> None:
     ops = fm._ops.ops
-    bad = []
     tol = {torch.bfloat16: 0.05, torch.float16: 0.01}
     for schedule in ("cooperative", "pingpong"):
         os.environ["FUSED_MLP_GATED_GEMM_SCHEDULE"] = schedule
@@ -76,12 +65,7 @@ def main() -> int:
                         err = (out.float() - r).abs().max().item()
                         if not err <= tol[dt] * max(1.0, r.abs().max().item()):
                             bad.append(f"{schedule} {dt} {t}x{h}x{i} {act} bwd_slopes {name}: {err:.3g}")
-    torch.cuda.synchronize()
-    for b in bad:
-        print("mismatch:", b)
-    print("done" if not bad else f"done with {len(bad)} mismatches", flush=True)
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_sm90_driver(cases))
