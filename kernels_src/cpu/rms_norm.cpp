@@ -142,6 +142,8 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
   check_rows(x, "x");
   const int64_t M = x.size(0), N = x.size(1);
   const ScalarType xt = x.scalar_type();
+  // dtypes before the empty-input return below, as the CUDA op checks them: an empty x is no exception
+  FM_CHECK(xt == kFloat || xt == kHalf || xt == kBFloat16, "fused_mlp: x must be float32/float16/bfloat16");
   const ScalarType h_dtype = residual_dtype.value_or(xt);
   FM_CHECK(h_dtype == xt || h_dtype == kFloat, "fused_mlp: residual_dtype must be x's dtype or float32");
   FM_CHECK(out_dtype == xt || out_dtype == kFloat, "fused_mlp: out_dtype must be x's dtype or float32");
@@ -154,6 +156,8 @@ FwdOut rms_norm_fwd_impl(const Tensor& x_in, const std::optional<Tensor>& residu
   if (weight.has_value()) {
     FM_CHECK(weight->dim() == 1 && weight->size(0) == N && weight->is_contiguous(),
              "fused_mlp: weight must be contiguous [", N, "]");
+    FM_CHECK(weight->scalar_type() == xt || weight->scalar_type() == kFloat,
+             "fused_mlp: weight must be x's dtype or float32");
   }
   const fused_mlp::Sizes out_sizes = fused_mlp::sizes_of(x_in);
   FwdOut out{fused_mlp::empty(out_sizes, out_dtype, x), std::nullopt, std::nullopt};

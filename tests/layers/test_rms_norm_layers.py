@@ -189,3 +189,23 @@ def test_tensor_subclass_input_runs_the_module_and_warns_once(fm, device, cls):
     assert all(torch.equal(t, cls.forward(m, x)) for t in y)
     assert said == [f"fused_mlp: {cls.__name__} runs its own PyTorch forward here, not the fused kernel: the input or "
                     "weight is a tensor subclass other than DTensor+DTensor."], said
+
+
+@pytest.mark.parametrize("eps_type", ["numpy float32", "numpy int64", "0-d tensor"])
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, GemmaRMSNorm], ids=lambda c: c.__name__)
+def test_module_eps_of_another_number_type(fm, device, cls, eps_type):
+    """A module built with eps as a numpy scalar or a 0-d tensor runs (its own forward adds eps to a tensor); the
+    swapped layer must not turn it into an error. The kernel gets eps as a float: the module's result, one rounding."""
+    np = pytest.importorskip("numpy")
+    eps = {"numpy float32": np.float32(1e-5), "numpy int64": np.int64(0), "0-d tensor": torch.tensor(1e-5)}[eps_type]
+    m = build(cls, 64, torch.float32, device)
+    if cls in LLAMA_STYLE:
+        m.variance_epsilon = eps
+    else:
+        m.eps = eps
+    x = torch.randn(3, 64, device=device) + 0.5  # eps = 0 needs rows that are not all zero
+    want = cls.forward(m, x)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = layer_for(fm, cls).forward(m, x.clone().requires_grad_(grad))
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-5)

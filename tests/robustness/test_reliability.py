@@ -55,6 +55,11 @@ BAD_INPUTS = [
                                                         residual=_t(4, 8, device=d), residual_dtype=torch.int32),
         "residual_dtype"),
     Bad("rms device mismatch", lambda fm, d: fm.rms_norm(_t(4, 8, device="cuda"), _t(8)), "weight", True),
+    # empty inputs are checked as others are (the op's dtype checks come before its empty-input return)
+    Bad("rms float64 weight, 0 rows", lambda fm, d: fm.rms_norm(_t(0, 8, device=d), _t(8, dtype=torch.float64,
+                                                                                          device=d)), "weight"),
+    Bad("rms int weight, 0 columns", lambda fm, d: fm.rms_norm(_t(3, 0, device=d), _i(0, device=d)), "weight"),
+    Bad("rms float64 x, 0 rows", lambda fm, d: fm.rms_norm(_t(0, 8, dtype=torch.float64, device=d)), "x"),
     # geglu / swiglu
     Bad("geglu shape", lambda fm, d: fm.geglu(_t(4, 8, device=d), _t(4, 9, device=d)), "up"),
     Bad("geglu int", lambda fm, d: fm.geglu(_i(4, 8, device=d), _t(4, 8, device=d)), "gate"),
@@ -87,6 +92,16 @@ def test_bad_input_raises_naming_the_argument(fm, device, case):
         pytest.skip("device-mismatch cases run once, on the CUDA parametrisation")
     with pytest.raises((ValueError, TypeError, RuntimeError)) as info:
         case.call(fm, device)
+    assert case.arg in str(info.value), f"message does not name {case.arg!r}: {info.value}"
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if not c.needs_cuda],
+                         ids=[c.name for c in BAD_INPUTS if not c.needs_cuda])
+def test_bad_input_raises_on_meta_tensors(fm, case):
+    """The same calls on the meta device (shape inference, deferred initialisation) raise the same errors: the
+    eager fast paths leave meta tensors to the checked path, and the fake implementations check what the ops do."""
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as info:
+        case.call(fm, "meta")
     assert case.arg in str(info.value), f"message does not name {case.arg!r}: {info.value}"
 
 

@@ -160,6 +160,34 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def reference_backward(op: str, reference: Any, inputs: tuple, needs: tuple, grads: tuple) -> list:
+    """An autograd Function's backward under ``create_graph=True`` (the only case in which grad mode is on inside it):
+    the gradients of the op's plain-PyTorch fp32 ``reference(*inputs)`` by autograd, a graph of their own, so that
+    differentiating them again (Hessian-vector products, gradient penalties) includes the op's second-order terms,
+    which the backward kernels cannot give (they have no derivative). Values: fp32 math rounded once, as the kernels'
+    (the 2x rule, not their bits). Announced once per op (docs/design.md#double-backward).
+
+    ``inputs``: the saved tensors the reference takes (None where absent); ``needs``: which of them get a gradient;
+    ``grads``: the incoming gradient of each reference output (None: unused). Returns one gradient or None per input.
+    """
+    warn_once(f"create_graph:{op}", f"fused_mlp.{op}: backward with create_graph=True runs the op's plain-PyTorch "
+              "fp32 reference (differentiable again) instead of its backward kernels; see docs/design.md")
+    out: list = [None] * len(inputs)
+    wanted = [i for i, need in enumerate(needs) if need and inputs[i] is not None]
+    outs = reference(*inputs) if wanted else ()
+    if isinstance(outs, torch.Tensor):
+        outs = (outs,)
+    # An incoming gradient in another dtype (fp32 at a bf16 output) is rounded to the output's, as autograd does for
+    # a plain-PyTorch op; it may also arrive in the caller's shape where the reference ran on 2-D rows.
+    pairs = [(o, g.reshape(o.shape).to(o.dtype)) for o, g in zip(outs, grads) if g is not None]
+    if pairs:
+        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                  create_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got):
+            out[i] = g
+    return out
+
+
 def is_plain(t: Any) -> bool:
     """A plain tensor or parameter (not a DTensor, quantised or other tensor subclass)."""
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter

@@ -35,6 +35,7 @@ from ._common import (
     check_device,
     check_tensor,
     declare_grad_dtypes,
+    reference_backward,
     statically_true,
 )
 from ._decode import linear_runtime_limit as _linear_runtime_limit
@@ -70,6 +71,13 @@ _FALLBACK_ERRORS = (RuntimeError, TypeError, NotImplementedError)
 
 @torch.library.register_fake(add_op_namespace_prefix("addmm_fwd"))
 def _addmm_fwd_fake(bias, mat1, mat2, activation, save_preact, out_shape):
+    # The C++ op's shape and dtype checks: the eager fast path sends meta tensors here, and a call that raises on
+    # real tensors must raise on meta ones (RuntimeError, as the op's: the full path then raises the documented one).
+    torch._check(mat1.dim() == 2 and mat2.dim() == 2 and mat1.shape[1] == mat2.shape[0] and mat1.dtype == mat2.dtype,
+                 lambda: "addmm_fwd: mat1 [M, K] and mat2 [K, N] of one dtype expected")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == mat2.shape[1]
+                                  and bias.dtype in (mat1.dtype, torch.float32)),
+                 lambda: "addmm_fwd: bias [N] of mat1's dtype or float32 expected")
     m = mat1.shape[0]
     n = mat2.shape[1]
     y = mat1.new_empty(out_shape)
@@ -116,6 +124,9 @@ class _AddmmFunction(torch.autograd.Function):
         # gradient to that shape in fp32 and rounds once (autograd's expand backward would sum the rounded [N]
         # gradient again: two roundings).
         ctx.bias_shape = None
+        # The bias as given, for a backward under create_graph=True only (the kernels' backward never reads it): an
+        # attribute, not a saved tensor, to keep the training call's host cost (docs/tuning-log.md#host-path).
+        ctx.bias = bias
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != mat2.shape[1]):
             ctx.bias_shape = bias.shape
             bias = _bias_as_row(bias, mat2.shape[1])
@@ -137,6 +148,12 @@ class _AddmmFunction(torch.autograd.Function):
         if dy is None:  # y took no part in the loss (set_materialize_grads(False): no zeros were made for it)
             return None, None, None, None, None, None, None
         mat1, mat2, z = ctx.saved_tensors
+        if _grad_enabled():  # create_graph=True: a backward that can be differentiated again
+            act = None if ctx.activation == "none" else ctx.activation
+            db, dx, dw = reference_backward(
+                "addmm", lambda b, m1, m2: addmm_reference(b, m1, m2, activation=act, out_dtype=dy.dtype),
+                (ctx.bias, mat1, mat2), ctx.needs_input_grad[:3], (dy,))
+            return db, dx, dw, None, None, None, None
         need_db = ctx.has_bias and ctx.needs_input_grad[0]
         need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dy = dy.reshape(mat1.shape[0], mat2.shape[1])  # [..., N] -> [M, N]; the kernels take any row stride
@@ -258,7 +275,10 @@ class _CpuOneDnnGeluFunction(torch.autograd.Function):
         ctx.algorithm = _ONEDNN_GELU[activation]
         ctx.set_materialize_grads(False)
         declare_grad_dtypes(ctx, None)  # an fp32 dY reaches the fp32 dZ uncast, as in the op's Function
-        return _LINEAR_POINTWISE(x, w_kn.t(), bias, "gelu", [], ctx.algorithm)
+        y = _LINEAR_POINTWISE(x, w_kn.t(), bias, "gelu", [], ctx.algorithm)
+        # For x of rank > 2 the op returns a view of its 2-D result, which autograd would keep from in-place ops (as
+        # nn.Linear allows them); detached, it is an output of its own (nothing else refers to the 2-D result).
+        return y.detach() if y._is_view() else y
 
     @staticmethod
     def backward(ctx, dy):

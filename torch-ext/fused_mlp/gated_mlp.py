@@ -15,11 +15,20 @@ Numerics: fp32 accumulation and activation math, each stored tensor rounded once
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from . import _decode, _epilogue
-from ._common import GATED_ACTIVATIONS, autocast_dtype, check_device, check_tensor, declare_grad_dtypes
+from ._common import (
+    GATED_ACTIVATIONS,
+    autocast_dtype,
+    check_device,
+    check_tensor,
+    declare_grad_dtypes,
+    reference_backward,
+)
 from ._ops import add_op_namespace_prefix, ops
 from .geglu import activation_fn, gated_act
 
@@ -100,14 +109,21 @@ class _GatedMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+        ctx.biases = (b_gate, b_up, b_down)  # for a backward under create_graph=True only (attributes: no saving cost)
         declare_grad_dtypes(ctx, None, out_dtype=y.dtype)
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, gate, up, h = ctx.saved_tensors  # gate, up: P, Q when h was saved
         need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can be differentiated again
+            b_gate, b_up, b_down = ctx.biases
+            dx, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down = reference_backward(
+                "gated_mlp", lambda *t: gated_mlp_reference(*t, activation=ctx.activation),
+                (x, w_gate, w_up, w_down, b_gate, b_up, b_down),
+                (need[0], need[1], need[3], need[5], need[2], need[4], need[6]), (dy,))
+            return dx, d_w_gate, d_b_gate, d_w_up, d_b_up, d_w_down, d_b_down, None
         if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
             dy = dy.to(x.dtype)
         keep = not torch.compiler.is_compiling() and _keep_graph()
@@ -192,8 +208,9 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
             b_up = b_up.to(dtype) if b_up is not None else None
             b_down = b_down.to(dtype) if b_down is not None else None
         lead = x.shape[:-1]
-        y = _GatedMLPFunction.apply(x.reshape(-1, x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down, b_down,
-                                    activation)
+        # The row count spelled out: reshape(-1, 0) is ambiguous for H = 0.
+        y = _GatedMLPFunction.apply(x.reshape(math.prod(lead), x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down,
+                                    b_down, activation)
         return y.view(*lead, y.shape[-1])
     if autocast is None and _decode.use_decode(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         # decode sizes (few tokens): the whole MLP as one op of two GEMV-class kernels (x is contiguous: a view)

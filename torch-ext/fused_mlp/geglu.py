@@ -14,7 +14,15 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import GELU_APPROXIMATE, as_rows, check_device, check_tensor, declare_grad_dtypes, decompose_under_compile
+from ._common import (
+    GELU_APPROXIMATE,
+    as_rows,
+    check_device,
+    check_tensor,
+    declare_grad_dtypes,
+    decompose_under_compile,
+    reference_backward,
+)
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = ["geglu", "swiglu", "geglu_reference", "swiglu_reference"]
@@ -79,6 +87,11 @@ class _GatedActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
+        if _grad_enabled():  # create_graph=True: a backward that can be differentiated again
+            dgate, dup = reference_backward(
+                "geglu / swiglu", lambda g, u: gated_act_reference(g, u, ctx.activation), (gate, up),
+                ctx.needs_input_grad[:2], (dh,))
+            return dgate, dup, None, None
         n = gate.shape[-1]
         dh = as_rows(dh, n)  # rows; dh may arrive as an expanded (stride-0) or transposed view
         if dh.dtype != gate.dtype and dh.dtype != torch.float32:
@@ -97,9 +110,9 @@ def _fast(gate: Any, up: Any, activation: str) -> torch.Tensor | None:
     """The eager fast path: plain contiguous tensors straight to the op (no gradient needed) or the Function, before
     the Python checks. The op checks dtypes, shapes and devices before any work; whatever it rejects returns None
     here and takes the full path, which raises the documented error (host cost per call:
-    docs/tuning-log.md#host-path). Excluded: tracing, and a meta tensor beside a real one (the dispatcher would run
-    the fake implementation)."""
-    if (type(gate) is not _Tensor or type(up) is not _Tensor or _is_compiling() or gate.is_meta is not up.is_meta
+    docs/tuning-log.md#host-path). Excluded: tracing, and meta tensors (the dispatcher would run the fake
+    implementation, which checks nothing: the checked path validates them)."""
+    if (type(gate) is not _Tensor or type(up) is not _Tensor or _is_compiling() or gate.is_meta or up.is_meta
             or not (gate.is_contiguous() and up.is_contiguous())):
         return None
     try:

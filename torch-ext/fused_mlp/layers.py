@@ -12,7 +12,7 @@ from .addmm import addmm as _addmm
 from .addmm import cpu_gemm_inference as _cpu_gemm_inference
 from .addmm import linear as _linear
 from .gated_mlp import _gated_mlp
-from .rms_norm import _rms_norm_layer_call, rms_norm
+from .rms_norm import _rms_norm_layer_call, _module_eps, rms_norm
 
 
 __all__ = ["RMSNorm", "GemmaRMSNorm", "GeGLUMLP", "Linear", "Conv1D"]
@@ -48,7 +48,7 @@ def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, ep
         return _module_forward(module, x, "the DTensor layout splits the normalised dimension or the weight")
     # Each rank's weight gradient covers only its own rows: declare it partial along the mesh dims that shard rows.
     grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
-    y = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, offset=offset,
+    y = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), _module_eps(eps), offset=offset,
                  out_dtype=out_dtype)
     return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 

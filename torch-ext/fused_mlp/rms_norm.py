@@ -10,6 +10,8 @@ straight to the kernel, skipping the autograd.Function.
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from ._common import (
     check_tensor,
     declare_grad_dtypes,
     decompose_under_compile,
+    reference_backward,
 )
 from ._ops import add_op_namespace_prefix, ops
 
@@ -106,6 +109,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)  # an unused y or h gets no zero-filled gradient tensor
         ctx.offset = offset
+        ctx.eps = eps
         ctx.has_residual = residual is not None
         ctx.x_dtype = x.dtype
         ctx.out_dtype = out_dtype
@@ -118,6 +122,13 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh, _drstd):
         h, rstd, weight = ctx.saved_tensors
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if _grad_enabled():  # create_graph=True: a backward that can be differentiated again
+            dh_total, dw = _create_graph_grads(ctx, h, weight, dy, (need_x or need_res, need_w))
+            if ctx.has_residual and dh is not None:  # h was used downstream: its gradient passes to x and the residual
+                dh_total = dh if dh_total is None else dh_total + dh
+            dres = dh_total.to(ctx.residual_dtype) if ctx.has_residual and need_res and dh_total is not None else None
+            dx_out = dh_total.to(ctx.x_dtype) if need_x and dh_total is not None else None
+            return dx_out, dres, dw, None, None, None, None
         if dy is None:  # only h was used downstream
             dy = torch.zeros_like(h, dtype=ctx.out_dtype)
         # dx and d(residual) are the same values; compute them in the wider of the two dtypes, once.
@@ -143,6 +154,8 @@ class _RMSNormYFunction(torch.autograd.Function):
         y, _, rstd = _fwd(x, None, weight, eps, offset, out_dtype, None)
         ctx.save_for_backward(x, rstd, weight)
         ctx.offset = offset
+        ctx.eps = eps
+        ctx.out_dtype = out_dtype
         ctx.x_dtype = x.dtype
         # An fp32 gradient at a bf16/fp16 y reaches the kernel uncast.
         declare_grad_dtypes(ctx, None, out_dtype=out_dtype)
@@ -151,8 +164,18 @@ class _RMSNormYFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight = ctx.saved_tensors
+        if _grad_enabled():  # create_graph=True: a backward that can be differentiated again
+            dx, dw = _create_graph_grads(ctx, x, weight, dy, ctx.needs_input_grad[:2])
+            return dx, dw, None, None, None
         dx, dw = _rms_norm_backward(ctx, dy, None, x, rstd, weight, ctx.x_dtype, ctx.needs_input_grad[1])
         return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
+
+
+def _create_graph_grads(ctx, h, weight, dy, needs):
+    """[d h, d weight] of y = norm(h) (h: x, or x + residual) through the fp32 reference (`reference_backward`)."""
+    def ref(h, weight):
+        return rms_norm_reference(h, weight, ctx.eps, offset=ctx.offset, out_dtype=ctx.out_dtype)
+    return reference_backward("rms_norm", ref, (h, weight), needs, (dy,))
 
 
 def _rms_norm_backward(ctx, dy, dh, h, rstd, weight, grad_dtype, need_w):
@@ -209,12 +232,13 @@ def rms_norm(
     # Inference fast path (eager, no gradient needed; per-call host cost at decode: docs/tuning-log.md#host-path).
     # The kernel's y (and h) straight from rms_norm_infer(_add), before the checks below: whatever the op rejects
     # (a weight to widen or make contiguous, a layout it cannot view, wrong shapes, mixed devices) raises there,
-    # before any work, and takes the full path, which converts it or raises the documented error. The one mix the
-    # op cannot see is a meta tensor among real ones (the dispatcher then runs the fake implementation): excluded.
+    # before any work, and takes the full path, which converts it or raises the documented error. What the op cannot
+    # check is meta tensors (the dispatcher runs the fake implementation, which checks nothing): excluded, as in the
+    # training fast path.
     if (type(x) is _Tensor and not _is_compiling() and type(eps) is float and 0.0 <= eps < _INF
-            and type(offset) is float and -_INF < offset < _INF
-            and (weight is None or (isinstance(weight, _Tensor) and weight.is_meta is x.is_meta))
-            and (residual is None or (type(residual) is _Tensor and residual.is_meta is x.is_meta))
+            and type(offset) is float and -_INF < offset < _INF and not x.is_meta
+            and (weight is None or (isinstance(weight, _Tensor) and not weight.is_meta))
+            and (residual is None or (type(residual) is _Tensor and not residual.is_meta))
             and (not _grad_enabled() or not (x.requires_grad or (weight is not None and weight.requires_grad)
                                              or (residual is not None and residual.requires_grad)))):
         x_dtype = x.dtype
@@ -230,10 +254,10 @@ def rms_norm(
     # Training fast path (eager, no residual): contiguous x (or 2-D rows) and a contiguous weight of x's dtype or fp32
     # straight into the Function, whose op checks shapes, dtypes and devices before anything is launched; whatever it
     # rejects takes the full path below (host cost per call: docs/tuning-log.md#host-path).
-    elif (residual is None and type(x) is _Tensor and not _is_compiling() and _grad_enabled()
+    elif (residual is None and type(x) is _Tensor and not _is_compiling() and _grad_enabled() and not x.is_meta
             and type(eps) is float and 0.0 <= eps < _INF and type(offset) is float and -_INF < offset < _INF
             and (weight is None or ((type(weight) is _Parameter or type(weight) is _Tensor)
-                                    and weight.is_meta is x.is_meta and weight.is_contiguous()
+                                    and not weight.is_meta and weight.is_contiguous()
                                     and (weight.dtype is x.dtype or weight.dtype is _F32)))
             and (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1))):
         x_dtype = x.dtype
@@ -362,7 +386,8 @@ def _rms_norm_layer_call(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
     ``offset`` a finite float): positional, with the inference fast path of rms_norm inline (one Python frame less
     per norm per token: docs/tuning-log.md#host-path)."""
     if (type(x) is _Tensor and not _is_compiling() and type(eps) is float and 0.0 <= eps < _INF
-            and weight.is_meta is x.is_meta and (not _grad_enabled() or not (x.requires_grad or weight.requires_grad))):
+            and not x.is_meta and not weight.is_meta
+            and (not _grad_enabled() or not (x.requires_grad or weight.requires_grad))):
         x_dtype = x.dtype
         out_f32 = False if out_dtype is x_dtype else (True if out_dtype is _F32 else None)
         if out_f32 is not None:
@@ -370,7 +395,19 @@ def _rms_norm_layer_call(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
                 return _infer_call(x, weight, eps, offset, out_f32)
             except _FALLBACK_ERRORS:
                 pass  # rms_norm's full path
-    return rms_norm(x, weight, eps, offset=offset, out_dtype=out_dtype)
+    return rms_norm(x, weight, _module_eps(eps), offset=offset, out_dtype=out_dtype)
+
+
+def _module_eps(eps: Any) -> Any:
+    """A module's eps as the Python float `rms_norm` takes: a transformers module may hold a numpy scalar or a
+    one-element tensor (its own forward adds it to a tensor), which the layers' swap must not turn into an error.
+    Anything else is returned as it is, for `rms_norm` to reject."""
+    if type(eps) is float or isinstance(eps, bool):
+        return eps
+    if isinstance(eps, numbers.Real) or (isinstance(eps, torch.Tensor) and eps.numel() == 1
+                                         and eps.is_floating_point()):
+        return float(eps)
+    return eps
 
 
 def rms_norm_reference(
