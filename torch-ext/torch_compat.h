@@ -218,8 +218,16 @@ inline Sizes sizes_of(const Tensor& t) {
 // out = a @ b (2-D), into an existing tensor, never re-cast by an enclosing torch.autocast (the Python layer has
 // already cast the operands; `mm.out` is on none of autocast's lists, and the classic build also excludes the
 // autocast keys for the call).
+// Grad mode is off for the call: the ops have no autograd formula of their own, so an exported program (or any
+// direct call) may hand them inputs that require grad, and mm.out refuses those in grad mode; nothing here is
+// differentiated.
 inline void mm_out(Tensor& out, const Tensor& a, const Tensor& b) {
 #if defined(FUSED_MLP_STABLE_ABI)
+  struct NoGrad {
+    const bool was = aoti_torch_grad_mode_is_enabled();
+    NoGrad() { if (was) aoti_torch_grad_mode_set_enabled(false); }
+    ~NoGrad() { if (was) aoti_torch_grad_mode_set_enabled(true); }
+  } no_grad;
   std::array<StableIValue, 3> stack{torch::stable::detail::from(a), torch::stable::detail::from(b),
                                     torch::stable::detail::from(out)};
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
@@ -227,6 +235,7 @@ inline void mm_out(Tensor& out, const Tensor& a, const Tensor& b) {
   (void)torch::stable::detail::to<torch::stable::Tensor>(stack[0]);
 #else
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  c10::AutoGradMode no_grad(false);
   at::mm_out(out, a, b);
 #endif
 }

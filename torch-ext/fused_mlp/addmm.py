@@ -451,6 +451,10 @@ def _addmm_impl(
                     return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
+    if torch.compiler.is_exporting():
+        # torch.export inlines an autograd Function's forward and drops its backward (the op has no derivative of its
+        # own, so the exported program would lose the gradients): the fp32 definition, rounded once, instead.
+        return addmm_reference(bias, x2, w2, activation=activation, out_dtype=x2.dtype).view(out_shape)
     if act == "none" and _cpu_aten_training(x2, w2, bias, n):  # 2-D x2: one rounding whatever x's layout
         return F.linear(x2, w2.t(), bias).view(out_shape)
     if act != "none" and not torch.compiler.is_compiling() and _cpu_onednn_gelu(x, w_kn, bias, n):

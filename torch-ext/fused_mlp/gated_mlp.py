@@ -191,6 +191,17 @@ def gated_mlp(
     return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, cast)
 
 
+def _plain_when_traced(*tensors: torch.Tensor | None) -> bool:
+    """While traced, whether training takes the plain math instead of the autograd Function: under torch.export,
+    which inlines a Function's forward and drops its backward (the ops have no derivative of their own, so the
+    exported program would lose the gradients), and where one tensor is passed twice (dynamo refuses duplicate
+    Function inputs)."""
+    if torch.compiler.is_exporting():
+        return True
+    given = [t for t in tensors if t is not None]
+    return any(given[i] is given[j] for i in range(len(given)) for j in range(i))  # `is`: no guard on ids
+
+
 def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
                autocast: torch.dtype | None) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
@@ -207,6 +218,10 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
             b_gate = b_gate.to(dtype) if b_gate is not None else None
             b_up = b_up.to(dtype) if b_up is not None else None
             b_down = b_down.to(dtype) if b_down is not None else None
+        if torch.compiler.is_compiling() and _plain_when_traced(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+            # The plain model's GEMMs and the activation's decomposition, which autograd differentiates.
+            return F.linear(gated_act(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down,
+                            b_down)
         lead = x.shape[:-1]
         # The row count spelled out: reshape(-1, 0) is ambiguous for H = 0.
         y = _GatedMLPFunction.apply(x.reshape(math.prod(lead), x.shape[-1]), w_gate, b_gate, w_up, b_up, w_down,
