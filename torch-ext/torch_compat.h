@@ -57,6 +57,7 @@ __asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/SymIntArrayRef.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
