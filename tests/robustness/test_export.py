@@ -95,3 +95,18 @@ def test_raw_addmm_op_takes_inputs_that_require_grad(fm, act):
     assert torch.is_grad_enabled()
     ref = fm.addmm_reference(b, x, w, activation=None if act == "none" else act)
     torch.testing.assert_close(y, ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_export_says_once_that_it_traces_plain_math(fm):
+    """The traced plain math is a documented fallback from the ops: announced once per op."""
+    import importlib
+
+    warned = importlib.import_module(f"{fm.__name__}._common")._WARNED
+    warned.difference_update({"export:addmm", "traced:gated_mlp"})
+    x = torch.randn(2, 5, H)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in ("linear gelu_tanh", "gated_mlp", "linear gelu_tanh", "gated_mlp"):
+            torch.export.export(_Op(fm, kind, "cpu"), (x,), strict=False)
+    said = [str(w.message) for w in caught if str(w.message).startswith("fused_mlp: under torch.export")]
+    assert len(said) == 2 and any("linear" in s for s in said) and any("gated_mlp" in s for s in said), said

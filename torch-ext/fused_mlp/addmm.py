@@ -37,6 +37,7 @@ from ._common import (
     declare_grad_dtypes,
     reference_backward,
     statically_true,
+    warn_once,
 )
 from ._decode import linear_runtime_limit as _linear_runtime_limit
 from ._decode import use_linear_decode as _use_linear_decode
@@ -454,6 +455,9 @@ def _addmm_impl(
     if torch.compiler.is_exporting():
         # torch.export inlines an autograd Function's forward and drops its backward (the op has no derivative of its
         # own, so the exported program would lose the gradients): the fp32 definition, rounded once, instead.
+        if not torch.compiler.is_dynamo_compiling():  # said once (strict export traces with dynamo: no side effects)
+            warn_once("export:addmm", "fused_mlp: under torch.export, linear / addmm with gradients trace their fp32 "
+                      "reference, not the op (see docs/design.md#torchexport)")
         return addmm_reference(bias, x2, w2, activation=activation, out_dtype=x2.dtype).view(out_shape)
     if act == "none" and _cpu_aten_training(x2, w2, bias, n):  # 2-D x2: one rounding whatever x's layout
         return F.linear(x2, w2.t(), bias).view(out_shape)

@@ -28,6 +28,7 @@ from ._common import (
     check_tensor,
     declare_grad_dtypes,
     reference_backward,
+    warn_once,
 )
 from ._ops import add_op_namespace_prefix, ops
 from .geglu import activation_fn, gated_act
@@ -220,6 +221,10 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
             b_down = b_down.to(dtype) if b_down is not None else None
         if torch.compiler.is_compiling() and _plain_when_traced(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
             # The plain model's GEMMs and the activation's decomposition, which autograd differentiates.
+            if not torch.compiler.is_dynamo_compiling():  # said once (dynamo traces without side effects)
+                warn_once("traced:gated_mlp", "fused_mlp: under torch.export, gated_mlp with gradients traces the "
+                          "plain GEMMs and the activation's decomposition, not the fused ops "
+                          "(see docs/design.md#torchexport)")
             return F.linear(gated_act(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down,
                             b_down)
         lead = x.shape[:-1]
