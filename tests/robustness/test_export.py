@@ -1,7 +1,7 @@
 """torch.export of the functional ops, and the raw ops called with inputs that require grad: an exported program
 runs and keeps its gradients, as the same program built from plain PyTorch does. Export inlines an autograd
 Function's forward and drops its backward, and the ops have no derivative of their own, so under export the training
-paths take differentiable math (docs/design.md#double-backward explains the ops' autograd)."""
+paths take differentiable math (docs/design.md#torchexport)."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class _AddmmFunction(torch.autograd.Function):
         # gradient to that shape in fp32 and rounds once (autograd's expand backward would sum the rounded [N]
         # gradient again: two roundings).
         ctx.bias_shape = None
-        # The bias as given, for a backward under create_graph=True only (the kernels' backward never reads it): an
+        # The bias as given (backward reads its dtype; a backward under create_graph=True reads the tensor): an
         # attribute, not a saved tensor, to keep the training call's host cost (docs/tuning-log.md#host-path).
         ctx.bias = bias
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != mat2.shape[1]):
@@ -138,8 +138,6 @@ class _AddmmFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.activation = activation
         ctx.dw_transposed = dw_transposed
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else mat1.dtype
         # An fp32 gradient arriving at a bf16/fp16 output reaches the kernel uncast (it reads either dtype).
         declare_grad_dtypes(ctx, None, None, out_dtype=y.dtype)  # z is non-differentiable: y's dtype decides
         return y, z
@@ -155,20 +153,21 @@ class _AddmmFunction(torch.autograd.Function):
                 "addmm", lambda b, m1, m2: addmm_reference(b, m1, m2, activation=act, out_dtype=dy.dtype),
                 (ctx.bias, mat1, mat2), ctx.needs_input_grad[:3], (dy,))
             return db, dx, dw, None, None, None, None
-        need_db = ctx.has_bias and ctx.needs_input_grad[0]
+        bias = ctx.bias  # the bias as given: db takes its shape and dtype
+        need_db = bias is not None and ctx.needs_input_grad[0]
         need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dy = dy.reshape(mat1.shape[0], mat2.shape[1])  # [..., N] -> [M, N]; the kernels take any row stride
         if dy.dtype != mat1.dtype and dy.dtype != torch.float32:
             dy = dy.to(mat1.dtype)
         bias_shape = ctx.bias_shape
-        db_dtype = ctx.bias_dtype if bias_shape is None else torch.float32
+        db_dtype = (bias.dtype if bias_shape is None else torch.float32) if need_db else mat1.dtype
         dx, dw, db = _bwd(
             dy, z, mat1, mat2, ctx.activation, need_dx, need_dw, ctx.dw_transposed, need_db, db_dtype
         )
         if need_dw and ctx.dw_transposed:
             dw = dw.t()
         if need_db and bias_shape is not None:  # [N] in fp32 -> the bias's own shape, rounded once
-            db = (db if db.numel() == bias_shape.numel() else db.sum()).reshape(bias_shape).to(ctx.bias_dtype)
+            db = (db if db.numel() == bias_shape.numel() else db.sum()).reshape(bias_shape).to(bias.dtype)
         return (db if need_db else None), (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 

@@ -109,8 +109,7 @@ class _GatedMLPFunction(torch.autograd.Function):
                       and _no_saved_tensor_hooks())
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
-        ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-        ctx.biases = (b_gate, b_up, b_down)  # for a backward under create_graph=True only (attributes: no saving cost)
+        ctx.biases = (b_gate, b_up, b_down)  # which exist; backward under create_graph=True reads them (no saving)
         declare_grad_dtypes(ctx, None, out_dtype=y.dtype)
         return y
 
@@ -118,8 +117,8 @@ class _GatedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, gate, up, h = ctx.saved_tensors  # gate, up: P, Q when h was saved
         need = ctx.needs_input_grad
+        b_gate, b_up, b_down = ctx.biases
         if torch.is_grad_enabled():  # create_graph=True: a backward that can be differentiated again
-            b_gate, b_up, b_down = ctx.biases
             dx, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down = reference_backward(
                 "gated_mlp", lambda *t: gated_mlp_reference(*t, activation=ctx.activation),
                 (x, w_gate, w_up, w_down, b_gate, b_up, b_down),
@@ -150,7 +149,7 @@ class _GatedMLPFunction(torch.autograd.Function):
             ops.geglu_bwd_(h, gate, up, ctx.activation)  # dh <- h, gate <- dgate, up <- dup (one pass)
         dgate, dup = gate, up
         d_w_down = torch.mm(dy.t(), h) if need[5] else None
-        d_b_down = dy.sum(0) if (need[6] and ctx.has_bias[2]) else None
+        d_b_down = dy.sum(0) if (need[6] and b_down is not None) else None
         if ctx.free_h and not keep and not torch.compiler.is_compiling():
             h.untyped_storage().resize_(0)  # stream-ordered, as a freed tensor: the GEMM above still reads it
         del h
@@ -159,9 +158,9 @@ class _GatedMLPFunction(torch.autograd.Function):
             dx = torch.mm(dgate, w_gate)
             dx.addmm_(dup, w_up)  # the second product is added in the GEMM (dx: two roundings, as in eager)
         d_w_gate = torch.mm(dgate.t(), x) if need[1] else None
-        d_b_gate = dgate.sum(0) if (need[2] and ctx.has_bias[0]) else None
+        d_b_gate = dgate.sum(0) if (need[2] and b_gate is not None) else None
         d_w_up = torch.mm(dup.t(), x) if need[3] else None
-        d_b_up = dup.sum(0) if (need[4] and ctx.has_bias[1]) else None
+        d_b_up = dup.sum(0) if (need[4] and b_up is not None) else None
         return dx, d_w_gate, d_b_gate, d_w_up, d_b_up, d_w_down, d_b_down, None
 
 
