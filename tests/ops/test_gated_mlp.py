@@ -216,6 +216,96 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
                     "(DTensor, ...)."], said
 
 
+def test_activation_hooks_fall_back(fm, device):
+    """A hook on act_fn (activation steering, ablation, capture) runs, as in the plain module."""
+    ref, ours, _ = build("llama", device, torch.float32, kernels.Mode.TRAINING)
+    x = torch.randn(4, H, device=device)
+    calls = []
+
+    def ablate(mod, inp, out):
+        calls.append(mod)
+        return torch.zeros_like(out)
+
+    handles = [m.mlp.act_fn.register_forward_hook(ablate) for m in (ours, ref)]
+    (y, _), said = fallback_warnings(fm, lambda: (ours(x), ours(x)))  # twice: one warning
+    assert len(calls) == 2
+    assert torch.equal(y, ref(x)) and torch.count_nonzero(y) == 0  # the down_proj has no bias: all zeros
+    assert said == ["fused_mlp: GeGLUMLP runs the module's own PyTorch math here: the activation module has hooks or "
+                    "a replaced forward."], said
+    for h in handles:
+        h.remove()
+    _, said = fallback_warnings(fm, lambda: ours(x))
+    assert said == []  # hooks removed: the fused path again
+
+
+def test_backward_hooks_on_projections_fire(fm, device):
+    """Full backward hooks (and pre-hooks) on gate/up/down_proj (gradient capture: K-FAC, saliency) fire once per
+    backward with the module's gradients, as in the plain module."""
+    ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.TRAINING)
+    seen = {"ours": [], "ref": []}
+    for key, model in (("ours", ours), ("ref", ref)):
+        model.mlp.down_proj.register_full_backward_hook(lambda mod, gi, go, k=key: seen[k].append(go[0].clone()))
+        model.mlp.gate_proj.register_full_backward_pre_hook(lambda mod, go, k=key: seen[k].append(go[0].clone()))
+    x = torch.randn(4, H, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, said = fallback_warnings(fm, lambda: ours(x))
+    assert len(said) == 1 and "not plain nn.Linear" in said[0], said
+    y.sum().backward()
+    ref(x2).sum().backward()
+    assert len(seen["ours"]) == len(seen["ref"]) == 2
+    for a, b in zip(seen["ours"], seen["ref"]):
+        assert torch.equal(a, b)
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_global_module_hooks_fall_back(fm, device):
+    """nn.Module's global hooks see every submodule call, as in the plain module."""
+    ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.INFERENCE)
+    x = torch.randn(4, H, device=device)
+    counts = {}
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, inp, out: counts.__setitem__(type(mod).__name__, counts.get(type(mod).__name__, 0) + 1))
+    try:
+        y, said = fallback_warnings(fm, lambda: ours(x))
+        seen, counts = counts, {}
+        assert torch.equal(y, ref(x))
+    finally:
+        handle.remove()
+    assert seen == counts and seen["Linear"] == 3, (seen, counts)
+    assert said == ["fused_mlp: GeGLUMLP runs the module's own PyTorch math here: global nn.Module hooks are "
+                    "registered (register_module_forward_hook & co.)."], said
+
+
+def test_offloaded_weights_run_the_offload_wrappers(fm, device):
+    """accelerate's offloading (from_pretrained with offload, cpu_offload) leaves meta weights in the projections and
+    loads them in a forward it installs on each instance: the layer must call those forwards, not read the meta
+    weights (it used to return uninitialised memory)."""
+    accelerate = pytest.importorskip("accelerate")
+    ref, ours, _ = build("gemma", device, torch.float32, kernels.Mode.INFERENCE)
+    x = torch.randn(4, H, device=device)
+    want = ref(x)
+    accelerate.cpu_offload(ours, execution_device=torch.device(device))
+    assert ours.mlp.gate_proj.weight.is_meta
+    y, said = fallback_warnings(fm, lambda: ours(x))
+    assert torch.equal(y, want)
+    assert len(said) == 1 and "offloaded" in said[0], said
+
+
+def test_kernelized_projections_keep_the_fused_path(fm, device):
+    """Projections whose forward kernelize swapped to this package's Linear layer (nn.Linear mapped too, as
+    benchmarks/decode.py does) are plain: the MLP still takes the fused path, with no fallback warning."""
+    ref, ours, _ = build("llama", device, torch.float32, kernels.Mode.INFERENCE)
+    mapping = {"Linear": {device: kernels.LocalLayerRepository(repo_path=ROOT, layer_name="Linear")}}
+    with opted_in([(nn.Linear, "Linear")]), kernels.use_kernel_mapping(mapping):
+        kernels.kernelize(ours, mode=kernels.Mode.INFERENCE, device=device, use_fallback=True)
+    assert "forward" in ours.mlp.gate_proj.__dict__  # swapped
+    x = torch.randn(4, H, device=device)
+    with torch.no_grad():
+        y, said = fallback_warnings(fm, lambda: ours(x))
+        assert said == []
+        torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_float64_raises_like_the_other_layers(fm, device, training):
     """A float64 model is no fallback case: the layer raises the ops' TypeError before any launch, as RMSNorm and

@@ -126,16 +126,35 @@ def _activation_kind(act) -> str | None:
     return kind
 
 
+# nn.Module's global hooks (register_module_forward_hook & co.): each fires for every module call, so a gated MLP that
+# skipped its submodules' calls would hide them. (The dicts are mutated in place: references taken once stay live.)
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, n, {}) for n in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+
+
+def _unhooked(m: nn.Module) -> bool:
+    """No hooks of its own (forward or backward) and a forward that is the class's (kernelize may set that on the
+    instance) or kernelize's swap to this package's Linear layer: a forward replaced on the instance by anything else
+    (accelerate's offload wrapper, which loads meta weights just in time, a monkey patch) must run, so the module's
+    own math does."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return False
+    f = m.__dict__.get("forward")
+    if f is None:
+        return True
+    fn = getattr(f, "__func__", None)
+    return fn is Linear.forward or fn is type(m).forward
+
+
 def _plain_linear(m) -> bool:
-    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no tensor-subclass weight
-    (quantised, DTensor, ...). Anything else keeps the module's own math. (Dict reads, not attribute reads:
-    nn.Module.__getattr__ costs about a microsecond each, and decode runs this per layer per token.)"""
-    return (
-        type(m) is nn.Linear
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
-        and type(m._parameters.get("weight")) in (nn.Parameter, torch.Tensor)
-    )
+    """An nn.Linear whose forward is F.linear on plain tensors: no subclass, no hooks, no replaced forward, no
+    tensor-subclass or meta weight (quantised, DTensor, offloaded). Anything else keeps the module's own math. (Dict
+    reads, not attribute reads: nn.Module.__getattr__ costs about a microsecond each, and decode runs this per layer
+    per token.)"""
+    if type(m) is not nn.Linear or not _unhooked(m):
+        return False
+    w = m._parameters.get("weight")
+    return (type(w) is nn.Parameter or type(w) is torch.Tensor) and not w.is_meta
 
 
 def _autocast_casts(*tensors: torch.Tensor | None) -> bool:
@@ -149,8 +168,10 @@ class GeGLUMLP(nn.Module):
 
     Reads ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear, bias optional) and ``act_fn``. The projections go
     through cuBLAS, the activation and the product are one kernel (fp32 math, one rounding), and in training only
-    ``x``, ``gate`` and ``up`` are kept for backward. Any other activation, a non-plain Linear (subclass, hooks,
-    quantised weights) or mixed dtypes outside autocast run the module's own math, with exactly its result;
+    ``x``, ``gate`` and ``up`` are kept for backward. Any other activation, a non-plain Linear (subclass, forward or
+    backward hooks, a forward replaced on the instance as accelerate's offloading does, quantised or meta weights),
+    hooks on ``act_fn``, global module hooks or mixed dtypes outside autocast run the module's own math, with exactly
+    its result (the submodules' calls and hooks included);
     float64 inputs or weights raise the ops' TypeError instead.
     """
 
@@ -164,10 +185,14 @@ class GeGLUMLP(nn.Module):
         if act_fn is None:
             act_fn = self.act_fn  # a plain function attribute (F.silu, ...)
         activation = _activation_kind(act_fn)
+        act_plain = not isinstance(act_fn, nn.Module) or _unhooked(act_fn)
+        g0, g1, g2, g3 = _GLOBAL_HOOKS
         if (
             activation is not None
+            and act_plain
             and type(x) is torch.Tensor
             and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
+            and not (g0 or g1 or g2 or g3)
         ):
             gp, upp, dp = gate_proj._parameters, up_proj._parameters, down_proj._parameters
             w_gate, w_up, w_down = gp["weight"], upp["weight"], dp["weight"]
@@ -196,10 +221,15 @@ class GeGLUMLP(nn.Module):
             why = "the weights' dtypes differ from the input's (outside autocast)"
         elif activation is None:
             why = f"no fused kernel for the activation {type(act_fn).__name__}"
+        elif not act_plain:
+            why = "the activation module has hooks or a replaced forward"
         elif type(x) is not torch.Tensor:
             why = "the input is a tensor subclass (DTensor, ...)"
+        elif g0 or g1 or g2 or g3:
+            why = "global nn.Module hooks are registered (register_module_forward_hook & co.)"
         else:
-            why = "the projections are not plain nn.Linear on plain tensors (DTensor, quantised, hooks, subclass)"
+            why = ("the projections are not plain nn.Linear on plain tensors (DTensor, quantised, offloaded, hooks, "
+                   "a replaced forward, subclass)")
         warn_once(f"GeGLUMLP:{why}", f"fused_mlp: GeGLUMLP runs the module's own PyTorch math here: {why}.")
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
