@@ -57,17 +57,25 @@ using fused_mlp::shape_str;  // "[2, 3]" in error messages (torch_compat.h)
 // machine. kAvx512 means AVX-512 F, VL, BW and DQ. Other targets: kBase (their kernels decide what that runs).
 enum class CpuLevel { kBase, kAvx2, kAvx512 };
 
+// A switch variable is on when set to 1, true, yes or on (any case); unset, empty, 0 or anything else: off.
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
+
 #if defined(__x86_64__) || defined(_M_X64)
 inline CpuLevel cpu_level() {
   static const CpuLevel level = [] {
     __builtin_cpu_init();
-    if (std::getenv("FUSED_MLP_CPU_BASELINE") != nullptr || !__builtin_cpu_supports("avx2") ||
-        !__builtin_cpu_supports("fma")) {
+    if (env_flag("FUSED_MLP_CPU_BASELINE") || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
       return CpuLevel::kBase;
     }
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    return avx512 && std::getenv("FUSED_MLP_CPU_NO_AVX512") == nullptr ? CpuLevel::kAvx512 : CpuLevel::kAvx2;
+    return avx512 && !env_flag("FUSED_MLP_CPU_NO_AVX512") ? CpuLevel::kAvx512 : CpuLevel::kAvx2;
   }();
   return level;
 }

@@ -385,8 +385,9 @@ def test_mixed_dtypes_behave_like_the_module(fm, device):
 
 
 def test_fp32_gradient_at_a_bf16_output(fm, device):
-    """y.float() downstream: an fp32 gradient reaches the bf16 MLP output (declared uncast); the result matches
-    the module fed the same gradient."""
+    """y.float() downstream: an fp32 gradient reaches the bf16 MLP output; the backward's GEMMs take it in bf16,
+    rounded once as eager's are (docs/design.md#numerics), so the result matches the module fed the same
+    gradient, to the bit."""
     ref, ours, ref32 = build("qwen3", device, torch.bfloat16, kernels.Mode.TRAINING)
     x = torch.randn(7, H, device=device, dtype=torch.bfloat16)
     dy = torch.randn(7, H, device=device)
@@ -399,6 +400,9 @@ def test_fp32_gradient_at_a_bf16_output(fm, device):
     ref32(x32).backward(dy)
     assert grads[0].dtype == torch.bfloat16
     assert_2x_rule(grads[0], x32.grad.bfloat16(), grads[1])
+    xg = x.clone().requires_grad_()
+    ours(xg).backward(dy.bfloat16())  # the same gradient rounded first: the same bits
+    assert torch.equal(xg.grad, grads[0])
 
 
 def test_compile_kernelized_fullgraph_no_recompiles(fm, device):

@@ -663,6 +663,34 @@ def test_cpu_baseline_copy_subprocess(fm_cpu):  # fm_cpu: skipped with it where 
     assert proc.returncode == 0 and "ok" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
 
 
+def test_cpu_copy_switches_read_their_value_subprocess(fm_cpu):
+    """FUSED_MLP_CPU_BASELINE=0 (or empty) leaves the copy choice alone, =1 / true forces the baseline copy: told
+    apart by the bits of an fp32 forward, which the baseline copy sums in another order."""
+    code = textwrap.dedent(
+        f"""
+        import hashlib, kernels, pathlib, torch
+        fm = kernels.get_local_kernel(pathlib.Path({str(ROOT)!r}), backend="cpu")
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(64, 1000, generator=g) * 3, torch.randn(1000, generator=g)
+        print(hashlib.sha1(fm.rms_norm(x, w).numpy().tobytes()).hexdigest())
+        """
+    )
+
+    def bits(value):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSED_MLP_CPU_")}
+        if value is not None:
+            env["FUSED_MLP_CPU_BASELINE"] = value
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split()[-1]
+
+    default, forced = bits(None), bits("1")
+    if default == forced:
+        pytest.skip("this CPU runs the baseline copy by default (no AVX2): the switch cannot be told apart")
+    assert bits("0") == default and bits("") == default
+    assert bits("TRUE") == forced
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_cpu_rows_do_not_depend_on_their_neighbours(fm_cpu, dtype, residual):

@@ -28,6 +28,7 @@ class Bad:
     call: Callable  # (fm, device) -> anything; must raise
     arg: str  # the argument the message must name
     needs_cuda: bool = False
+    on_meta: bool = True  # False: a device mismatch against meta, which all-meta inputs do not have
 
 
 def _t(*shape, dtype=F32, device="cpu"):
@@ -60,6 +61,9 @@ BAD_INPUTS = [
                                                                                           device=d)), "weight"),
     Bad("rms int weight, 0 columns", lambda fm, d: fm.rms_norm(_t(3, 0, device=d), _i(0, device=d)), "weight"),
     Bad("rms float64 x, 0 rows", lambda fm, d: fm.rms_norm(_t(0, 8, dtype=torch.float64, device=d)), "x"),
+    # residual_dtype is checked without a residual too, whatever eps's Python type (the fast paths took float eps)
+    Bad("rms residual_dtype, no residual", lambda fm, d: fm.rms_norm(_t(4, 8, device=d), _t(8, device=d), 1e-6,
+                                                                     residual_dtype=torch.float64), "residual_dtype"),
     # geglu / swiglu
     Bad("geglu shape", lambda fm, d: fm.geglu(_t(4, 8, device=d), _t(4, 9, device=d)), "up"),
     Bad("geglu int", lambda fm, d: fm.geglu(_i(4, 8, device=d), _t(4, 8, device=d)), "gate"),
@@ -76,6 +80,16 @@ BAD_INPUTS = [
     Bad("addmm int", lambda fm, d: fm.addmm(_t(5, device=d), _i(4, 8, device=d), _t(8, 5, device=d)), "mat1"),
     Bad("addmm device mismatch", lambda fm, d: fm.addmm(_t(5), _t(4, 8, device="cuda"), _t(8, 5, device="cuda")),
         "bias", True),
+    # a meta operand beside a real one is a device mismatch (ATen's F.linear would return uninitialised memory)
+    Bad("addmm meta mat2", lambda fm, d: fm.addmm(_t(5, device=d), _t(4, 8, device=d), _t(8, 5, device="meta")),
+        "mat2", on_meta=False),
+    Bad("linear meta weight", lambda fm, d: fm.linear(_t(4, 8, device=d), _t(5, 8, device="meta"), _t(5, device=d)),
+        "weight", on_meta=False),
+    Bad("linear meta bias", lambda fm, d: fm.linear(_t(4, 8, device=d), _t(5, 8, device=d), _t(5, device="meta"),
+                                                    activation="gelu"), "bias", on_meta=False),
+    Bad("linear fp16 bias, fp32 x", lambda fm, d: fm.linear(_t(4, 8, device=d), _t(5, 8, device=d),
+                                                            _t(5, dtype=torch.float16, device=d)),
+        "bias must be torch.float32, got torch.float16"),
     Bad("linear weight shape", lambda fm, d: fm.linear(_t(4, 8, device=d), _t(5, 7, device=d)), "weight"),
     Bad("linear bias length", lambda fm, d: fm.linear(_t(4, 8, device=d), _t(5, 8, device=d), _t(4, device=d)),
         "bias"),
@@ -95,8 +109,8 @@ def test_bad_input_raises_naming_the_argument(fm, device, case):
     assert case.arg in str(info.value), f"message does not name {case.arg!r}: {info.value}"
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if not c.needs_cuda],
-                         ids=[c.name for c in BAD_INPUTS if not c.needs_cuda])
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if not c.needs_cuda and c.on_meta],
+                         ids=[c.name for c in BAD_INPUTS if not c.needs_cuda and c.on_meta])
 def test_bad_input_raises_on_meta_tensors(fm, case):
     """The same calls on the meta device (shape inference, deferred initialisation) raise the same errors: the
     eager fast paths leave meta tensors to the checked path, and the fake implementations check what the ops do."""
@@ -373,6 +387,21 @@ def test_empty_inputs_give_empty_results(fm, device):
     for name, ours, ref in _ops(fm, device, 64, m=0):
         out = ours()
         assert out.shape == ref().shape and out.numel() == 0, name
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_empty_rms_norm_backward_of_a_sum(fm, device, dtype, residual):
+    """y.sum().backward() on 0 rows hands backward an expanded [0, N] gradient (stride 0), which counts as
+    contiguous: it must reach the kernel with unit stride like any other (it raised "dy must have unit stride")."""
+    x = torch.randn(0, 8, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(8, device=device, dtype=dtype, requires_grad=True)
+    r = torch.randn(0, 8, device=device, dtype=dtype, requires_grad=True) if residual else None
+    out = fm.rms_norm(x, w, residual=r)
+    (out[0].sum() + out[1].sum() if residual else out.sum()).backward()
+    assert x.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros_like(w))
+    if residual:
+        assert r.grad.shape == (0, 8)
 
 
 # ---- determinism ----------------------------------------------------------------------------------------------

@@ -51,7 +51,11 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     count is spelled out so that n == 0 works too (reshape(-1, 0) is ambiguous); 2-D input is taken as it is."""
     if t.dim() != 2:
         t = t.reshape(math.prod(t.shape[:-1]), n)
-    return t if (n <= 1 or t.stride(1) == 1) else t.contiguous()
+    if n <= 1 or t.stride(1) == 1:
+        return t
+    # An empty tensor counts as contiguous whatever its strides (an expanded [0, n] gradient keeps stride 0): a fresh
+    # one has the unit stride the kernels check for.
+    return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
 def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None, out_dtype: torch.dtype | None = None) -> None:

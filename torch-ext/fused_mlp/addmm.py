@@ -346,9 +346,12 @@ def _addmm_impl(
     # call (the op picks mat2's layout itself): docs/tuning-log.md#host-path.
     # Eager training fast path, the same way: the autograd Function straight away (its op checks before launching;
     # whatever it rejects takes the full path): docs/tuning-log.md#host-path-training.
+    # Meta operands take the full path: its device check (ATen's F.linear and the op's fake implementation would
+    # pair a meta weight with a CPU input and return uninitialised memory).
     if (type(x) is _Tensor and (type(w_kn) is _Tensor or type(w_kn) is _Parameter)
             and (bias is None or type(bias) is _Tensor or type(bias) is _Parameter)
-            and not _is_compiling() and not _any_autocast()):
+            and not _is_compiling() and not _any_autocast()
+            and not x.is_meta and not w_kn.is_meta and (bias is None or not bias.is_meta)):
         op_act = _OP_ACTIVATION.get(activation) if activation is None or type(activation) is str else None
         x_dim = x.dim()
         training = _grad_enabled() and (x.requires_grad or w_kn.requires_grad
@@ -419,7 +422,8 @@ def _addmm_impl(
         raise TypeError(f"{x_name} ({x.dtype}) and {w_name} ({w_kn.dtype}) must have the same dtype")
     if bias is not None:
         if bias.dtype != x.dtype and bias.dtype != torch.float32:
-            raise TypeError(f"{bias_name} must be {x.dtype} or torch.float32 (added in fp32), got {bias.dtype}")
+            allowed = f"{x.dtype} or torch.float32 (added in fp32)" if x.dtype != torch.float32 else "torch.float32"
+            raise TypeError(f"{bias_name} must be {allowed}, got {bias.dtype}")
         if bias.dim() == 1 and n > 1 and bias.stride(0) != 1:
             bias = bias.contiguous()
 

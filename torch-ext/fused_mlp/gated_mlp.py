@@ -26,7 +26,6 @@ from ._common import (
     autocast_dtype,
     check_device,
     check_tensor,
-    declare_grad_dtypes,
     reference_backward,
     warn_once,
 )
@@ -110,7 +109,8 @@ class _GatedMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up, h_saved)
         ctx.activation = activation
         ctx.biases = (b_gate, b_up, b_down)  # which exist; backward under create_graph=True reads them (no saving)
-        declare_grad_dtypes(ctx, None, out_dtype=y.dtype)
+        # No declare_grad_dtypes: backward starts with GEMMs in the weights' dtype (dy @ W_down, dy.T @ h), so an fp32
+        # gradient at a 16-bit output is rounded once to that dtype, as eager's does (the engine's cast, not ours).
         return y
 
     @staticmethod
@@ -124,7 +124,7 @@ class _GatedMLPFunction(torch.autograd.Function):
                 (x, w_gate, w_up, w_down, b_gate, b_up, b_down),
                 (need[0], need[1], need[3], need[5], need[2], need[4], need[6]), (dy,))
             return dx, d_w_gate, d_b_gate, d_w_up, d_b_up, d_w_down, d_b_down, None
-        if dy.dtype != x.dtype:  # an fp32 gradient at a bf16/fp16 output: the GEMMs need one dtype
+        if dy.dtype != x.dtype:  # the GEMMs need one dtype (the engine casts the gradient to y's, normally x's)
             dy = dy.to(x.dtype)
         keep = not torch.compiler.is_compiling() and _keep_graph()
         if keep:

@@ -246,15 +246,17 @@ def rms_norm(
         if out_f32 is not None:
             try:
                 if residual is None:
-                    return _infer_call(x, weight, eps, offset, out_f32)
-                if residual.dtype is (x_dtype if residual_dtype is None else residual_dtype):
+                    if residual_dtype is None:  # else the full path checks it (ignored without a residual)
+                        return _infer_call(x, weight, eps, offset, out_f32)
+                elif residual.dtype is (x_dtype if residual_dtype is None else residual_dtype):
                     return _add_infer_call(x, residual, weight, eps, offset, out_f32)
             except _FALLBACK_ERRORS:
                 pass  # the full path below
     # Training fast path (eager, no residual): contiguous x (or 2-D rows) and a contiguous weight of x's dtype or fp32
     # straight into the Function, whose op checks shapes, dtypes and devices before anything is launched; whatever it
     # rejects takes the full path below (host cost per call: docs/tuning-log.md#host-path).
-    elif (residual is None and type(x) is _Tensor and not _is_compiling() and _grad_enabled() and not x.is_meta
+    elif (residual is None and residual_dtype is None and type(x) is _Tensor and not _is_compiling() and _grad_enabled()
+            and not x.is_meta
             and type(eps) is float and 0.0 <= eps < _INF and type(offset) is float and -_INF < offset < _INF
             and (weight is None or ((type(weight) is _Parameter or type(weight) is _Tensor)
                                     and not weight.is_meta and weight.is_contiguous()
