@@ -79,6 +79,7 @@
 // rounding of an fp32-accumulated product). The private op _addmm_lt_force_fallback(mode) forces these paths for
 // the tests: 1 = no fused epilogue, 2 = no cuBLASLt at all, 3 = no cuBLASLt workspace (an algorithm without one, as
 // when the allocator has no block for it; the fallbacks above only where cuBLASLt has no such algorithm).
+#include <atomic>
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -295,11 +296,15 @@ int64_t colsum_chunks(int64_t col_tiles, int64_t max_chunks, int64_t slots) {
 }
 
 int device_sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  static std::atomic<int> cached[64];  // zero-initialised; callers may be several threads (autograd workers)
+  const bool slot = device >= 0 && device < 64;
+  if (slot) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
   int n = 0;
   FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = n;
+  if (slot) cached[device].store(n, std::memory_order_relaxed);
   return n;
 }
 

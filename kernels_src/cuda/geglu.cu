@@ -22,6 +22,7 @@
 //               forward, whose budget at full bandwidth is ~47); derivative Phi(x) + x phi(x),
 //               phi(x) = expf(-x^2/2)/sqrt(2pi).
 //   SiLU:       x * sigmoid(x); derivative sigmoid(x) + x sigmoid'(x).
+#include <atomic>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -229,11 +230,15 @@ __global__ void __launch_bounds__(kThreads) geglu_bwd_kernel(
 
 // ---- host helpers -----------------------------------------------------------------------------------------
 int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device] > 0) return cached[device];
+  static std::atomic<int> cached[64];  // zero-initialised; callers may be several threads (autograd workers)
+  const bool slot = device >= 0 && device < 64;
+  if (slot) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
   int n = 0;
   FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cached[device] = n;
+  if (slot) cached[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
@@ -332,11 +337,15 @@ SmallKnob geglu_small_knob() {
 
 // Compute capability major of `device`, cached.
 int cc_major(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  static std::atomic<int> cached[64];  // as sm_count's
+  const bool slot = device >= 0 && device < 64;
+  if (slot) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
   int v = 0;
   FM_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
-  if (device >= 0 && device < 64) cached[device] = v;
+  if (slot) cached[device].store(v, std::memory_order_relaxed);
   return v;
 }
 

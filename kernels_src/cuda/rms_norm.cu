@@ -1573,8 +1573,8 @@ __global__ void __launch_bounds__(256) rms_norm_dw_column_sum_kernel(const float
 // ---- host: device facts, occupancy, tuning knobs -------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
-constexpr int kRowsMaxThreads = 512;
-constexpr int64_t kMaxN = (1ll << 31) - 1024;  // column indices are 32-bit  // threads per row in the rows kernels (their __launch_bounds__)
+constexpr int kRowsMaxThreads = 512;  // threads per row in the rows kernels (their __launch_bounds__)
+constexpr int64_t kMaxN = (1ll << 31) - 1024;  // column indices are 32-bit
 constexpr int kStaticSmemMargin = 1024;  // static smem (256 B) + headroom, subtracted from the opt-in maximum
 
 struct DeviceInfo {

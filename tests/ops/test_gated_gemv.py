@@ -370,6 +370,9 @@ def test_predicate_decisions(fm, monkeypatch):
     assert not use(mk((4, 60)), mk((i, 60)), mk((i, 60)), wd, None, None, None)  # H % 8
     assert not use(x, mk((156, h)), mk((156, h)), mk((h, 156)), None, None, None)  # I % 8
     assert not use(mk((4 * h + 1,), view=lambda t: t[1:].view(4, h)), wg, wu, wd, None, None, None)  # misaligned
+    if SM80:  # a DLPack import of a misaligned view: offset 0 at an odd address (real tensors only)
+        assert not use(torch.from_dlpack(mk((4 * h + 1,), view=lambda t: t[1:].view(4, h))), wg, wu, wd, None, None,
+                       None)
     monkeypatch.setenv(ENV, "off")
     assert not use(x, wg, wu, wd, None, None, None)
     monkeypatch.setenv(ENV, "auto")

@@ -167,7 +167,9 @@ def test_full_path_and_alignment(fm, monkeypatch):
     assert y1.shape == (1032,) and torch.equal(y1, yp)
     assert torch.equal(y1, fm._ops.ops.linear_decode(x1.view(1, 2056), w).view(1032))
     buf = tokens(1, 2056 + 8, torch.bfloat16, seed=6)
-    for x in (buf[:, 3:3 + 2056], torch.nn.Parameter(buf[:, 3:3 + 2056], requires_grad=False)):
+    # the last: a DLPack import of the same view, storage offset 0 at a misaligned address
+    for x in (buf[:, 3:3 + 2056], torch.nn.Parameter(buf[:, 3:3 + 2056], requires_grad=False),
+              torch.from_dlpack(buf[:, 3:3 + 2056])):
         assert x.is_contiguous() and x.data_ptr() % 16 != 0
         called.clear()
         with torch.no_grad():
@@ -345,3 +347,23 @@ def test_cpu_tensors_never_take_the_op(fm, monkeypatch):
     with torch.no_grad():
         y = fm.linear(x, w)
     assert_2x_rule(y, F.linear(x.float(), w.float()), F.linear(x, w), name="y")
+
+
+def test_alignment_checks_read_the_data_pointer(fm):
+    """The decode and GEMM-epilogue dispatch checks test the data pointer, not the storage offset: a DLPack import
+    of a misaligned view has offset 0 at an odd address (it used to pass, and the op then refused it)."""
+    import importlib
+
+    dec = importlib.import_module(f"{fm.__name__}._decode")
+    ep = importlib.import_module(f"{fm.__name__}._epilogue")
+    common = importlib.import_module(f"{fm.__name__}._common")
+    big = torch.zeros(8 + 4 * 64, dtype=torch.bfloat16)
+    x = torch.from_dlpack(big[1:257].view(4, 64))
+    assert x.storage_offset() == 0 and x.data_ptr() % 16 == 2
+    assert common.misaligned16(x) and not dec._aligned(x)
+    assert ep._runnable((x,)) is False  # refused before any device query
+    assert dec._aligned(big[8:].view(4, 64)) and not common.misaligned16(torch.from_dlpack(big[8:].view(4, 64)))
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:  # no data pointer: the offset answers
+        f = torch.empty(2 + 4 * 64, dtype=torch.bfloat16)
+        assert common.misaligned16(f[1:].view(-1)) and not common.misaligned16(f[8:].view(-1))

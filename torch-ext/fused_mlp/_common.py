@@ -58,6 +58,15 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
+def misaligned16(t: torch.Tensor) -> bool:
+    """Whether t's data does not start on a 16-byte boundary (the vector kernels' need). For plain tensors the pointer
+    itself: a storage need not start aligned (DLPack imports and wrapped pointers have offset 0 anywhere). Subclasses
+    (fake tensors, which have no real pointer, ...) answer by their offset."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t.data_ptr() % 16 != 0
+    return t.storage_offset() * t.element_size() % 16 != 0
+
+
 def declare_grad_dtypes(ctx: Any, *dtypes: torch.dtype | None, out_dtype: torch.dtype | None = None) -> None:
     """On torch >= 2.14, have the autograd engine hand backward the incoming gradients uncast (None) or in the
     given dtype, instead of casting an fp32 gradient down to a bf16/fp16 output's dtype. Older torch: no-op.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ._common import CAPABILITY, compile_mode, device_capability, env_mode
+from ._common import CAPABILITY, compile_mode, device_capability, env_mode, misaligned16
 from ._ops import add_op_namespace_prefix, ops
 
 ENV = "FUSED_MLP_DECODE_MLP"
@@ -58,12 +58,12 @@ def _forced_limit(cap: tuple[int, int]) -> int:
 
 
 def _aligned(*ts: torch.Tensor) -> bool:
-    """Storages start 16-byte aligned, so the offset decides. Not traceable under torch.compile: there the decode
-    ops' own check reports a misaligned view (the *_auto ops take the GEMM path instead)."""
+    """Every data pointer on a 16-byte boundary (``misaligned16``). Not traceable under torch.compile: there the
+    decode ops' own check reports a misaligned view (the *_auto ops take the GEMM path instead)."""
     if torch.compiler.is_compiling():
         return True
     for t in ts:  # (a loop, not all(<generator>): decode asks this per layer per token)
-        if t.storage_offset() * t.element_size() % 16:
+        if misaligned16(t):
             return False
     return True
 

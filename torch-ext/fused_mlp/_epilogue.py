@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import CAPABILITY, device_capability, env_mode
+from ._common import CAPABILITY, device_capability, env_mode, misaligned16
 from ._common import statically_true as _known_true  # sizes decide without adding a guard (symbolic: False)
 from ._ops import ops
 
@@ -93,9 +93,9 @@ def _runnable(tensors: tuple[torch.Tensor, ...]) -> bool:
             return False
         if not (_known_true(t.shape[-1] % 8 == 0) and _known_true(t.numel() > 0)):
             return False
-        # Storages start 16-byte aligned, so the offset decides. Under torch.compile neither data_ptr() nor (inside
-        # an autograd.Function) storage_offset() can be traced: there the op's own check reports a misaligned view.
-        if not torch.compiler.is_compiling() and t.storage_offset() * t.element_size() % 16:
+        # Under torch.compile neither data_ptr() nor (inside an autograd.Function) storage_offset() can be traced:
+        # there the op's own check reports a misaligned view.
+        if not torch.compiler.is_compiling() and misaligned16(t):
             return False
     return _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
