@@ -86,3 +86,58 @@ def test_gpu_targets_read_h200_rows_only():
     assert report.evaluate(target, h200 + [row("H100 80GB HBM3", 3000)]).status == "met"
     assert report.evaluate(target, [row("H100 80GB HBM3", 4200)]).status == "not measured"
     assert report.evaluate(target, [row("GH200 480GB", 4200)]).status == "not measured"
+
+
+def _cpu_row(provider, ms, shape="T=16,I=9216", run=("2026-12-02T18:00:55Z", "ce9b1c9"), **extra):
+    return {"device": "cpu", "op": "geglu_act", "mode": "fwd", "threads": "2", "shape": shape, "dtype": "bf16",
+            "provider": provider, "source": "measured", "status": "ok", "time_p50_ms": str(ms),
+            "date_utc": run[0], "git_rev": run[1], **extra}
+
+
+def test_an_anchor_pairs_with_rows_of_its_own_run():
+    """docs/targets.md: anchors measured in the same run. An anchor row of another run at the same shape is not a
+    comparison (it used to be taken, whichever CSV came first)."""
+    import report
+
+    target = _target(report, "cpu-geglu")
+    other_run = ("2026-12-04T01:00:00Z", "a29987d")
+    rows = [_cpu_row("ours", 1.0), _cpu_row("eager", 1.5), _cpu_row("ours", 1.0, run=other_run),
+            _cpu_row("eager", 3.0, run=other_run)]
+    v = report.evaluate(target, rows)
+    assert v.status == "not met" and v.value == "1.500x" and "1 shapes" in v.detail, v  # each run's own pair
+    v = report.evaluate(target, rows[:1] + rows[3:])  # ours of one run, eager of the other only
+    assert v.status == "not measured", v
+    v = report.evaluate(target, rows[2:] + rows[:1])  # a pair of the second run, ours of the first unpaired
+    assert v.status == "not met" and "no same-run comparison" in v.detail, v
+
+
+def test_a_failed_or_missing_shape_fails_an_every_shape_target():
+    """A shape whose row of ours errored or failed its correctness check (verified=false, status still ok), or whose
+    anchor is missing, leaves a target over every shape not met: it is not dropped from the range."""
+    import report
+
+    target = _target(report, "cpu-geglu")
+    good = [_cpu_row("ours", 1.0), _cpu_row("eager", 2.5)]
+    assert report.evaluate(target, good).status == "met"
+    other = "T=512,I=9216"
+    for bad in ({"status": "error: RuntimeError"}, {"verified": "false"}):
+        rows = good + [_cpu_row("ours", 1.0, shape=other, **bad), _cpu_row("eager", 2.5, shape=other)]
+        v = report.evaluate(target, rows)
+        assert v.status == "not met" and other in v.detail, (bad, v)
+    v = report.evaluate(target, good + [_cpu_row("ours", 1.0, shape=other)])  # no eager row at that shape
+    assert v.status == "not met" and other in v.detail, v
+    abs_target = _target(report, "e2e-step")  # an absolute target: an errored row fails it too
+    row = {"device": "cuda", "device_name": "NVIDIA H200", "op": "e2e_gemma2b", "mode": "train_step", "L": "4",
+           "T": "4096", "shape": "L=4,T=4096", "provider": "ours", "source": "measured", "status": "ok",
+           "time_p50_ms": "19.0"}
+    assert report.evaluate(abs_target, [row]).status == "met"
+    v = report.evaluate(abs_target, [row, dict(row, shape="L=4,T=4096,B=4", status="error: OOM")])
+    assert v.status == "not met" and "failed or errored" in v.detail, v
+
+
+def test_a_miss_that_rounds_to_the_threshold_shows_more_digits():
+    import report
+
+    target = _target(report, "cpu-geglu")
+    v = report.evaluate(target, [_cpu_row("ours", 1.0), _cpu_row("eager", 1.99994)])
+    assert v.status == "not met" and v.value == "1.99994x", v
