@@ -265,6 +265,7 @@ class Stats:
     tokens: torch.Tensor | None = None
     busy_ms: list[float] = field(default_factory=list)  # GPU busy ms per token, one per profiled pair of calls
     lookup_us: float | None = None  # Dynamo's cache lookup (guards), host us per token, compiled cells
+    dropped_rounds: int = 0  # timed rounds whose short call took longer than the long one (host noise)
     error: str | None = None
 
 
@@ -390,7 +391,12 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             st.error = describe_exception(e)
             log(f"[{op}] {cache} B={batch} {prov}: FAILED {st.error}")
     live = [p for p in args.providers if stats[p].error is None]
-    for r in range(args.rounds):
+    # A round whose short call outlasted its long one measured a host hiccup, not a token (seen on a loaded 2-core
+    # CPU): it is dropped and repeated, up to twice the rounds asked for.
+    for r in range(3 * args.rounds):
+        live = [p for p in live if len(stats[p].times_long) < args.rounds]
+        if not live:
+            break
         order = live if r % 2 == 0 else live[::-1]
         for prov in order:
             st = stats[prov]
@@ -398,11 +404,15 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             try:
                 t_long, _ = timed_generate(model, ids, mask, n_long, static, cfg, device, st)
                 t_short, _ = timed_generate(model, ids, mask, n_short, static, cfg, device, st)
-                st.times_long.append(t_long)
-                st.times_short.append(t_short)
+                if t_long > t_short:
+                    st.times_long.append(t_long)
+                    st.times_short.append(t_short)
+                else:
+                    st.dropped_rounds += 1
             except Exception as e:  # noqa: BLE001
                 st.error = describe_exception(e)
         live = [p for p in live if stats[p].error is None]
+    live = [p for p in args.providers if stats[p].error is None and stats[p].times_long]
     # GPU busy time per token (CUDA): the same long - short difference over the profiler's kernel intervals, after
     # the timed rounds (the profiler's own overhead stays out of them).
     for r in range(args.busy_rounds if device == "cuda" else 0):
@@ -445,7 +455,8 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
         role = "ours" if prov == "ours" else "anchor"
         counts = dict(st.counts)
         if st.error is not None or not st.times_long:
-            rows[prov] = dict(provider=prov, role=role, status=f"error: {st.error}", **counts)
+            why = st.error or f"no timed round with the long call longer than the short one ({st.dropped_rounds} tried)"
+            rows[prov] = dict(provider=prov, role=role, status=f"error: {why}", **counts)
             continue
         per_token = sorted((tl - ts) * 1e3 / (n_long - n_short) for tl, ts in zip(st.times_long, st.times_short))
         p20, p50, p80 = (_percentile(per_token, q) for q in QUANTILES)
@@ -459,6 +470,8 @@ def run_cell(spec: ModelSpec, args: argparse.Namespace, device: str, static: boo
             busy[prov] = rows[prov]["gpu_busy_ms_per_token"] = statistics.median(st.busy_ms)
         if st.lookup_us is not None:
             rows[prov]["dynamo_lookup_us_per_token"] = st.lookup_us
+        if st.dropped_rounds:
+            rows[prov]["note"] = f"{st.dropped_rounds} timed round(s) repeated: the short call outlasted the long one"
     plain_tokens = stats["eager"].tokens if "eager" in stats else None
     if not static and plain_tokens is not None:
         dynamic_tokens[batch] = plain_tokens
