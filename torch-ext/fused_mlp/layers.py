@@ -142,6 +142,10 @@ def _unhooked(m: nn.Module) -> bool:
     f = m.__dict__.get("forward")
     if f is None:
         return True
+    if torch.compiler.is_compiling():
+        # Dynamo before torch 2.14 cannot read a bound method's __func__ (getattr answered None, and every kernelized
+        # MLP fell back). Compiled graphs skip this check; offloaded weights are still caught by their meta device.
+        return True
     fn = getattr(f, "__func__", None)
     return fn is Linear.forward or fn is type(m).forward
 
