@@ -84,6 +84,33 @@ def test_gated_mlp_with_a_tensor_passed_twice_compiles(fm, device):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["linear gelu_tanh", "addmm gelu", "gated_mlp distinct biases"])
+def test_plain_compile_of_training_keeps_the_ops(fm, device, kind):
+    """Plain torch.compile is not export: training traces the ops, not the plain math (dynamo of torch 2.11 answers
+    ``torch.compiler.is_exporting()`` with True under every compile)."""
+    module = _Op(fm, kind.split(" distinct")[0], device)
+    if kind.endswith("distinct biases"):
+        module.forward = lambda x: fm.gated_mlp(x, module.w, module.w2, module.wd, module.b, module.b * 2,
+                                                activation="silu")
+    x = torch.randn(3, 4, H, device=device, requires_grad=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(module, fullgraph=True, backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    op = ("geglu_fwd", "gated_gemm_fwd") if kind.startswith("gated") else ("addmm_fwd",)
+    assert any(f"::{o}" in graphs[0] or f".{o}" in graphs[0] for o in op), graphs[0]
+    y.sum().backward()  # the traced autograd Function keeps its backward
+    assert x.grad is not None and module.w.grad is not None
+
+
 @pytest.mark.parametrize("act", ["none", "gelu_tanh"])
 def test_raw_addmm_op_takes_inputs_that_require_grad(fm, act):
     """What an exported program does when it holds the op: a direct call in grad mode with inputs that require grad

@@ -156,6 +156,14 @@ def decompose_under_compile(op: str, x: torch.Tensor) -> bool:
     return min_rows is None or not _statically_true(math.prod(x.shape[:-1]) >= min_rows)
 
 
+def exporting() -> bool:
+    """Whether torch.export is tracing. Dynamo up to torch 2.11 answers ``torch.compiler.is_exporting()`` with True
+    under every torch.compile, so a dynamo trace reads the flag export sets (a guarded constant) instead."""
+    if torch.compiler.is_dynamo_compiling():
+        return bool(torch.compiler._is_exporting_flag)
+    return torch.compiler.is_exporting()
+
+
 def statically_true(cond) -> bool:
     """`cond` provably true at trace time, without adding a guard (plain bools pass through)."""
     return _statically_true(cond)

@@ -35,6 +35,7 @@ from ._common import (
     check_device,
     check_tensor,
     declare_grad_dtypes,
+    exporting,
     reference_backward,
     statically_true,
     warn_once,
@@ -455,7 +456,7 @@ def _addmm_impl(
                     return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
-    if torch.compiler.is_exporting():
+    if exporting():
         # torch.export inlines an autograd Function's forward and drops its backward (the op has no derivative of its
         # own, so the exported program would lose the gradients): the fp32 definition, rounded once, instead.
         if not torch.compiler.is_dynamo_compiling():  # said once (strict export traces with dynamo: no side effects)

@@ -26,6 +26,7 @@ from ._common import (
     autocast_dtype,
     check_device,
     check_tensor,
+    exporting,
     reference_backward,
     warn_once,
 )
@@ -196,7 +197,7 @@ def _plain_when_traced(*tensors: torch.Tensor | None) -> bool:
     which inlines a Function's forward and drops its backward (the ops have no derivative of their own, so the
     exported program would lose the gradients), and where one tensor is passed twice (dynamo refuses duplicate
     Function inputs)."""
-    if torch.compiler.is_exporting():
+    if exporting():
         return True
     given = [t for t in tensors if t is not None]
     return any(given[i] is given[j] for i in range(len(given)) for j in range(i))  # `is`: no guard on ids
