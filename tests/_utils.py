@@ -216,9 +216,15 @@ class Tagged(torch.Tensor):
 
 def fallback_warnings(fm, fn):
     """(fn(), the texts of the layers' fallback warnings it raised), with the package's warn-once memory cleared
-    first: each fallback reason warns once per process, so an earlier test may have used it up."""
-    importlib.import_module(f"{fm.__name__}._common")._WARNED.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = fn()
+    first: each fallback reason warns once per process, so an earlier test may have used it up. (What was said before
+    counts as said again afterwards: later tests see no warning this one brought back.)"""
+    warned = importlib.import_module(f"{fm.__name__}._common")._WARNED
+    before = set(warned)
+    warned.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn()
+    finally:
+        warned |= before
     return out, [str(w.message) for w in caught if "own PyTorch" in str(w.message)]

@@ -130,6 +130,58 @@ def test_tensor_subclass_input_runs_the_module_and_warns_once(fm, device, layer)
                     "DTensor or other tensor subclass operand."], said
 
 
+class _HalfLinear(KLinear):
+    """A subclass below the opted-in class with a forward of its own (as QAT Linear or an MoE router)."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+class _HalfConv1D(KConv1D):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+class _OptedInHalfLinear(_HalfLinear):
+    """The same forward, opted in by the subclass itself: the swap is asked for."""
+
+
+kernels.replace_kernel_forward_from_hub(_OptedInHalfLinear, "Linear")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_subclass_with_its_own_forward_keeps_it(fm, device, compiled):
+    """kernelize swaps every subclass of an opted-in class: one with a forward of its own keeps it (warned once),
+    unless it opted in itself; a subclass without its own forward runs the kernel."""
+    torch.manual_seed(3)
+    mods = {"half linear": _HalfLinear(24, 40), "half conv1d": _HalfConv1D(40, 24),
+            "opted-in half linear": _OptedInHalfLinear(24, 40), "plain subclass": KLinear(24, 40)}
+    box = nn.ModuleDict(mods).to(device)
+    with kernels.use_kernel_mapping(_mapping(device)):
+        kernels.kernelize(box, mode=kernels.Mode.TRAINING, device=device, use_fallback=False)
+    x = torch.randn(3, 24, device=device, requires_grad=True)
+    torch._dynamo.reset()
+
+    def run(m):
+        return torch.compile(m, fullgraph=True, backend="eager")(x) if compiled else m(x)
+
+    (got, said) = fallback_warnings(fm, lambda: {k: (run(m), run(m)) for k, m in box.items()})
+    torch._dynamo.reset()
+    for k, m in box.items():
+        own = type(m).forward(m, x)  # the class's forward (kernelize set the layer's on the instance)
+        w = m.weight.t() if "conv1d" in k else m.weight  # Conv1D holds [in, out]
+        plain = F.linear(x, w, m.bias) * (0.5 if k in ("half linear", "half conv1d") else 1.0)
+        torch.testing.assert_close(got[k][0], plain, rtol=1e-5, atol=1e-5)
+        if k in ("half linear", "half conv1d"):
+            assert torch.equal(got[k][0], own), k
+        else:
+            assert "AddmmFunctionBackward" in type(got[k][0].grad_fn).__name__ or compiled, k
+    if not compiled:  # (dynamo traces without side effects: no warning from a compiled call)
+        assert sorted(said) == [f"fused_mlp: {n} runs its own PyTorch forward here, not the fused kernel: a subclass "
+                                "with a forward of its own that did not opt in itself." for n in ("_HalfConv1D",
+                                                                                                   "_HalfLinear")], said
+
+
 def test_linear_layer_under_autocast(fm, device):
     """fp32 parameters under torch.autocast: the layer computes in the autocast dtype, like nn.Linear."""
     ref, ours = _pair(device, torch.float32)

@@ -5,6 +5,11 @@ swap through `kernels.kernelize` with local layer repositories."""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,6 +81,49 @@ def test_layer_matches_transformers_module(fm, device, cls, dtype, w_dtype):
     assert_2x_rule(dx, ref[1], theirs[1], name="dx")
     # dW sums 111 rows: give the fp32 accumulation order a floor that scales with the magnitude of the sums.
     assert_2x_rule(dw, ref[2], theirs[2], name="dw", floor=max(FLOOR[dw.dtype], 1e-6 * ref[2].abs().max().item()))
+
+
+def _classes_decorated_rmsnorm() -> list[type]:
+    """Every transformers class decorated ``use_kernel_forward_from_hub("RMSNorm")``."""
+    root = Path(transformers.__file__).parent / "models"
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        if 'use_kernel_forward_from_hub("RMSNorm")' not in path.read_text():
+            continue
+        mod = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+        found += [c for c in vars(mod).values() if inspect.isclass(c) and c.__module__ == mod.__name__
+                  and c.__dict__.get("kernel_layer_name") == "RMSNorm"]
+    return found
+
+
+@pytest.mark.parametrize("w_dtype, x_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)],
+                         ids=["w=fp32,x=bf16", "w=bf16,x=fp32", "w=fp32,x=fp16", "w=x=bf16"])
+def test_every_transformers_rmsnorm_class_gets_its_own_output_dtype(fm, w_dtype, x_dtype):
+    """The RMSNorm layer against each class it can replace: Llama's form returns promote(weight, input), the classes
+    that round after the weight (OLMo 2, GPT-OSS, DeepSeek-V4, ...) the input's dtype; values by the 2x rule."""
+    checked, bad = [], []
+    g = torch.Generator().manual_seed(5)
+    for cls in _classes_decorated_rmsnorm():
+        try:
+            module = cls(64, eps=1e-6)
+        except TypeError:
+            module = cls(64)
+        module = module.to(w_dtype)
+        with torch.no_grad():
+            module.weight.copy_(1.0 + 0.25 * torch.randn(64, generator=g))
+        x = (torch.randn(5, 64, generator=g) * 2).to(x_dtype)
+        with torch.no_grad():
+            theirs = cls.forward(module, x)
+            ours = fm.layers.RMSNorm.forward(module, x)
+            ref = cls.forward(copy.deepcopy(module).double(), x.double())
+        try:
+            assert_2x_rule(ours, ref, theirs, name=cls.__name__)
+        except AssertionError as e:
+            bad.append(str(e))
+        checked.append(cls.__name__)
+    assert not bad, bad
+    assert len(checked) >= 120 and fm.layers._RMS_OUT_IN_INPUT_DTYPE <= set(checked), checked
 
 
 def test_kernelize_swaps_every_module(fm, device, tmp_path):

@@ -5,6 +5,7 @@ paths take differentiable math (docs/design.md#torchexport)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ class _Op(nn.Module):
         self.w2 = nn.Parameter((torch.randn(I, H, generator=g) / H**0.5).to(device))
         self.wd = nn.Parameter((torch.randn(H, I, generator=g) / I**0.5).to(device))
         self.b = nn.Parameter((torch.randn(I, generator=g) / 10).to(device))
+        self.nw = nn.Parameter((1 + torch.randn(H, generator=g) / 4).to(device))
 
     def forward(self, x):
         fm = self.fm
@@ -34,10 +36,12 @@ class _Op(nn.Module):
             return fm.linear(x, self.w, self.b, activation="gelu_tanh")
         if self.kind == "addmm gelu":
             return fm.addmm(self.b, x.reshape(-1, H), self.w.t(), activation="gelu")
+        if self.kind == "rms_norm residual":
+            return fm.rms_norm(x, self.nw, 1e-6, residual=x * 0.5)[0]
         return fm.gated_mlp(x, self.w, self.w2, self.wd, self.b, self.b, activation="silu")  # one bias twice
 
 
-KINDS = ["linear", "linear gelu_tanh", "addmm gelu", "gated_mlp"]
+KINDS = ["linear", "linear gelu_tanh", "addmm gelu", "rms_norm residual", "gated_mlp"]
 
 
 def _grads(module, x):
@@ -45,12 +49,23 @@ def _grads(module, x):
     module.zero_grad(set_to_none=True)
     y = module(x)
     (y * torch.linspace(-1, 1, y.numel(), device=y.device).view(y.shape)).sum().backward()
-    return y.detach(), [x.grad] + [p.grad for _, p in sorted(module.named_parameters())]
+    # by name (an exported module may leave out a parameter its op does not use; torch.compile prefixes _orig_mod.)
+    params = {n.removeprefix("_orig_mod."): p for n, p in module.named_parameters()}
+    return y.detach(), [x.grad] + [params[n].grad if n in params else None for n in ("b", "nw", "w", "w2", "wd")]
+
+
+@pytest.fixture(params=["auto", "kernel"])
+def compile_policy(request, monkeypatch):
+    """FUSED_MLP_UNDER_COMPILE (read when a graph is traced): the default, and the ops kept wherever they can be."""
+    monkeypatch.setenv("FUSED_MLP_UNDER_COMPILE", request.param)
+    torch._dynamo.reset()
+    yield request.param
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_exported_program_runs_and_keeps_gradients(fm, device, kind, strict):
+def test_exported_program_runs_and_keeps_gradients(fm, device, kind, strict, compile_policy):
     module = _Op(fm, kind, device)
     x = torch.randn(2, 5, H, device=device)
     want_y, want = _grads(module, x)
@@ -68,10 +83,17 @@ def test_exported_program_runs_and_keeps_gradients(fm, device, kind, strict):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{kind} gradient {i}: {m}")
 
 
-def test_gated_mlp_with_a_tensor_passed_twice_compiles(fm, device):
-    """Dynamo refuses an autograd Function given one tensor twice (tied biases or weights): that call takes the
+@pytest.mark.parametrize("kind", ["gated_mlp", "addmm x @ x", "rms_norm residual=x", "geglu(x, x)"])
+def test_a_tensor_passed_twice_compiles(fm, device, kind, compile_policy):
+    """Dynamo refuses an autograd Function given one tensor twice (tied biases or weights, x @ x): that call takes the
     plain math when traced, with no graph break."""
     module = _Op(fm, "gated_mlp", device)
+    if kind != "gated_mlp":
+        module.forward = {
+            "addmm x @ x": lambda x: (lambda s: fm.addmm(module.b[:H], s, s, activation="gelu"))(x.t() @ x / H),
+            "rms_norm residual=x": lambda x: fm.rms_norm(x, module.nw, 1e-6, residual=x)[0] * module.b[:H],
+            "geglu(x, x)": lambda x: fm.geglu(x, x) * module.nw,
+        }[kind]
     x = torch.randn(3, H, device=device)
     want_y, want = _grads(module, x)
     torch._dynamo.reset()
@@ -109,6 +131,53 @@ def test_plain_compile_of_training_keeps_the_ops(fm, device, kind):
     assert any(f"::{o}" in graphs[0] or f".{o}" in graphs[0] for o in op), graphs[0]
     y.sum().backward()  # the traced autograd Function keeps its backward
     assert x.grad is not None and module.w.grad is not None
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_of_a_kernelized_model_keeps_the_layers(fm, device, strict):
+    """Non-strict export runs module code on fake tensors: the layers take them as plain tensors (their ops have fake
+    implementations), so the exported program is the kernelized model, not the module's own math."""
+    transformers = pytest.importorskip("transformers")
+    kernels = pytest.importorskip("kernels")
+    from transformers.models.llama import modeling_llama
+
+    from _utils import fallback_warnings, opted_in
+    from conftest import ROOT
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    model = copy.deepcopy(plain)
+    names = ("RMSNorm", "GeGLUMLP", "Linear")
+    mapping = {n: {device: kernels.LocalLayerRepository(repo_path=ROOT, layer_name=n)} for n in names}
+    with opted_in([(modeling_llama.LlamaMLP, "GeGLUMLP"), (nn.Linear, "Linear")]), \
+            kernels.use_kernel_mapping(mapping, inherit_mapping=False):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device, use_fallback=True)
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        want, unkernelized = Logits(model)(ids).float(), Logits(plain)(ids).float()
+
+        def export():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return torch.export.export(Logits(model), (ids,), strict=strict)
+
+        ep, said = fallback_warnings(fm, export)
+        got = ep.module()(ids).float()
+    assert not said, said
+    assert (want - unkernelized).abs().max() > 1e-3  # the two models round differently in bf16: told apart
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert (got - want).abs().max() < (got - unkernelized).abs().max()
 
 
 @pytest.mark.parametrize("act", ["none", "gelu_tanh"])

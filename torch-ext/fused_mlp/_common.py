@@ -156,12 +156,42 @@ def decompose_under_compile(op: str, x: torch.Tensor) -> bool:
     return min_rows is None or not _statically_true(math.prod(x.shape[:-1]) >= min_rows)
 
 
+_EXPORT_FLAG = hasattr(torch.compiler, "_is_exporting_flag")
+
+
 def exporting() -> bool:
     """Whether torch.export is tracing. Dynamo up to torch 2.11 answers ``torch.compiler.is_exporting()`` with True
     under every torch.compile, so a dynamo trace reads the flag export sets (a guarded constant) instead."""
-    if torch.compiler.is_dynamo_compiling():
+    if _EXPORT_FLAG and torch.compiler.is_dynamo_compiling():
         return bool(torch.compiler._is_exporting_flag)
     return torch.compiler.is_exporting()
+
+
+def plain_when_traced(*tensors: torch.Tensor | None) -> bool:
+    """While traced, whether training takes differentiable PyTorch math instead of the autograd Function: under
+    torch.export, which inlines a Function's forward and drops its backward (the ops have no derivative of their own,
+    so the exported program would lose the gradients), and where one tensor is passed twice (dynamo refuses duplicate
+    Function inputs)."""
+    if exporting():
+        return True
+    given = [t for t in tensors if t is not None]
+    return any(given[i] is given[j] for i in range(len(given)) for j in range(i))  # `is`: no guard on ids
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, functionalize) is active: the autograd Functions leave out
+    ``setup_context`` (docs/design.md#torchfunc), which those transforms require, so the ops run their fp32 definition
+    in PyTorch ops instead (announced once per op)."""
+    return _functorch_transforms_active()
+
+
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def say_functorch_fallback(op: str) -> None:
+    """The once-per-op warning of the torch.func fallback."""
+    warn_once(f"functorch:{op}", f"fused_mlp: under a torch.func transform, {op} runs its fp32 definition in PyTorch "
+              "ops, not the fused kernel (see docs/design.md#torchfunc)")
 
 
 def statically_true(cond) -> bool:
@@ -173,8 +203,9 @@ _WARNED: set[str] = set()
 
 
 def warn_once(key: str, message: str) -> None:
-    """A UserWarning the first time `key` is seen in this process (fallbacks to plain PyTorch are announced)."""
-    if key not in _WARNED:
+    """A UserWarning the first time `key` is seen in this process (fallbacks to plain PyTorch are announced). Not
+    while dynamo traces (it cannot trace warnings.warn: a graph break); the first eager call says it."""
+    if not torch.compiler.is_dynamo_compiling() and key not in _WARNED:  # (no guard on the set)
         _WARNED.add(key)
         import warnings
 
@@ -210,8 +241,13 @@ def reference_backward(op: str, reference: Any, inputs: tuple, needs: tuple, gra
 
 
 def is_plain(t: Any) -> bool:
-    """A plain tensor or parameter (not a DTensor, quantised or other tensor subclass)."""
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    """A plain tensor or parameter (not a DTensor, quantised or other tensor subclass), or a fake tensor: non-strict
+    torch.export and FakeTensorMode run module code on those, and the ops' fake implementations take them."""
+    tt = type(t)
+    return tt is torch.Tensor or tt is torch.nn.Parameter or tt is _FakeTensor
+
+
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor  # noqa: E402 (imported by torch itself)
 
 
 def dtensor_type() -> Any:

@@ -35,8 +35,10 @@ from ._common import (
     check_device,
     check_tensor,
     declare_grad_dtypes,
-    exporting,
+    functorch_active,
+    plain_when_traced,
     reference_backward,
+    say_functorch_fallback,
     statically_true,
     warn_once,
 )
@@ -456,12 +458,15 @@ def _addmm_impl(
                     return _linear_auto(x2, w2.t(), limit).view(out_shape)
         fwd = _fwd if torch.compiler.is_compiling() else _fwd_call
         return fwd(bias, x2, w2, act, False, out_shape)[0]
-    if exporting():
+    if functorch_active():  # torch.func transforms: the fp32 definition, rounded once
+        say_functorch_fallback("linear / addmm")
+        return addmm_reference(bias, x2, w2, activation=activation, out_dtype=x2.dtype).view(out_shape)
+    if torch.compiler.is_compiling() and plain_when_traced(bias, x2, w2):
         # torch.export inlines an autograd Function's forward and drops its backward (the op has no derivative of its
-        # own, so the exported program would lose the gradients): the fp32 definition, rounded once, instead.
-        if not torch.compiler.is_dynamo_compiling():  # said once (strict export traces with dynamo: no side effects)
-            warn_once("export:addmm", "fused_mlp: under torch.export, linear / addmm with gradients trace their fp32 "
-                      "reference, not the op (see docs/design.md#torchexport)")
+        # own, so the exported program would lose the gradients); dynamo refuses a tensor passed twice (x @ x): the
+        # fp32 definition, rounded once, instead.
+        warn_once("export:addmm", "fused_mlp: under torch.export, linear / addmm with gradients trace their fp32 "
+                  "reference, not the op (see docs/design.md#torchexport)")
         return addmm_reference(bias, x2, w2, activation=activation, out_dtype=x2.dtype).view(out_shape)
     if act == "none" and _cpu_aten_training(x2, w2, bias, n):  # 2-D x2: one rounding whatever x's layout
         return F.linear(x2, w2.t(), bias).view(out_shape)

@@ -26,8 +26,10 @@ from ._common import (
     autocast_dtype,
     check_device,
     check_tensor,
-    exporting,
+    functorch_active,
+    plain_when_traced,
     reference_backward,
+    say_functorch_fallback,
     warn_once,
 )
 from ._ops import add_op_namespace_prefix, ops
@@ -192,17 +194,6 @@ def gated_mlp(
     return _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, cast)
 
 
-def _plain_when_traced(*tensors: torch.Tensor | None) -> bool:
-    """While traced, whether training takes the plain math instead of the autograd Function: under torch.export,
-    which inlines a Function's forward and drops its backward (the ops have no derivative of their own, so the
-    exported program would lose the gradients), and where one tensor is passed twice (dynamo refuses duplicate
-    Function inputs)."""
-    if exporting():
-        return True
-    given = [t for t in tensors if t is not None]
-    return any(given[i] is given[j] for i in range(len(given)) for j in range(i))  # `is`: no guard on ids
-
-
 def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
                autocast: torch.dtype | None) -> torch.Tensor:
     """`gated_mlp` without argument checks (the layer checks what it needs itself: decode is latency-bound)."""
@@ -219,12 +210,14 @@ def _gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: str,
             b_gate = b_gate.to(dtype) if b_gate is not None else None
             b_up = b_up.to(dtype) if b_up is not None else None
             b_down = b_down.to(dtype) if b_down is not None else None
-        if torch.compiler.is_compiling() and _plain_when_traced(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        if functorch_active():  # torch.func transforms: the plain GEMMs around the activation's fp32 definition
+            say_functorch_fallback("gated_mlp")
+            return F.linear(gated_act(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down,
+                            b_down)
+        if torch.compiler.is_compiling() and plain_when_traced(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
             # The plain model's GEMMs and the activation's decomposition, which autograd differentiates.
-            if not torch.compiler.is_dynamo_compiling():  # said once (dynamo traces without side effects)
-                warn_once("traced:gated_mlp", "fused_mlp: under torch.export, gated_mlp with gradients traces the "
-                          "plain GEMMs and the activation's decomposition, not the fused ops "
-                          "(see docs/design.md#torchexport)")
+            warn_once("traced:gated_mlp", "fused_mlp: under torch.export, gated_mlp with gradients traces the plain "
+                      "GEMMs and the activation's decomposition, not the fused ops (see docs/design.md#torchexport)")
             return F.linear(gated_act(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation), w_down,
                             b_down)
         lead = x.shape[:-1]

@@ -21,7 +21,11 @@ from ._common import (
     check_tensor,
     declare_grad_dtypes,
     decompose_under_compile,
+    functorch_active,
+    plain_when_traced,
     reference_backward,
+    say_functorch_fallback,
+    warn_once,
 )
 from ._ops import add_op_namespace_prefix, ops
 
@@ -142,11 +146,18 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` on checked arguments (``gated_mlp`` calls it on its own projections)."""
+    if functorch_active():  # torch.func transforms: the fp32 definition, which they can differentiate and batch
+        say_functorch_fallback("the gated activation")
+        return gated_act_reference(gate, up, activation)
     if decompose_under_compile("gated_act", gate):
         # Under torch.compile: the fp32 definition, for Inductor to fuse with the ops around it (_common.py).
         return gated_act_reference(gate, up, activation)
     n = gate.shape[-1]
     training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if training and torch.compiler.is_compiling() and plain_when_traced(gate, up):  # (FUSED_MLP_UNDER_COMPILE=kernel)
+        warn_once("export:gated_act", "fused_mlp: under torch.export, the gated activation with gradients traces its "
+                  "fp32 definition, not the op (see docs/design.md#torchexport)")
+        return gated_act_reference(gate, up, activation)
     # Eager, contiguous inputs of any rank: the op allocates h in the caller's shape (no view after the autograd
     # node). Under torch.compile the contiguity test would guard on (possibly unbacked) token counts, and
     # AOTAutograd traces the backward as one graph anyway: rows there.

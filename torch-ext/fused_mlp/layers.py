@@ -53,12 +53,22 @@ def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, ep
     return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
+# transformers' RMSNorm classes that return ``(weight * norm(x)).to(input_dtype)``: their output dtype is the
+# input's, where Llama's ``weight * norm(x).to(input_dtype)`` gives promote(weight, input). The set is every such
+# class decorated "RMSNorm" in transformers 5.22.2 (tests/layers/test_rms_norm_layers.py checks all of them).
+_RMS_OUT_IN_INPUT_DTYPE = frozenset({
+    "AfmoeRMSNorm", "BeamRMSNorm", "DeepseekV4RMSNorm", "FlexOlmoRMSNorm", "FlintRMSNorm", "GptOssRMSNorm",
+    "NemotronHRMSNorm", "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "OlmoHybridRMSNorm",
+    "OpenAIPrivacyFilterRMSNorm",
+})
+
+
 class RMSNorm(nn.Module):
     """LlamaRMSNorm / Qwen3RMSNorm / every transformers class decorated ``"RMSNorm"``.
 
-    Reads ``weight`` and ``variance_epsilon``. The output dtype is the module's own,
-    ``promote(weight.dtype, input.dtype)`` (fp32 weights with bf16 activations give fp32), but the result is
-    rounded once from fp32 math instead of twice.
+    Reads ``weight`` and ``variance_epsilon``. The output dtype is the module's own: ``promote(weight.dtype,
+    input.dtype)`` for Llama's form (fp32 weights with bf16 activations give fp32), the input's for the classes that
+    round after the weight (OLMo 2, GPT-OSS, DeepSeek-V4, ...); the result is rounded once from fp32 math.
     """
 
     can_torch_compile = True
@@ -68,7 +78,8 @@ class RMSNorm(nn.Module):
         params = self._parameters  # a dict read: nn.Module.__getattr__ costs ~0.5 us per call
         weight = params["weight"] if "weight" in params else self.weight
         w_dtype, x_dtype = weight.dtype, hidden_states.dtype
-        out_dtype = x_dtype if w_dtype is x_dtype else torch.promote_types(w_dtype, x_dtype)
+        out_dtype = (x_dtype if w_dtype is x_dtype or type(self).__name__ in _RMS_OUT_IN_INPUT_DTYPE
+                     else torch.promote_types(w_dtype, x_dtype))
         if type(hidden_states) is _Tensor and (type(weight) is _Parameter or type(weight) is _Tensor):
             return _rms_norm_layer_call(hidden_states, weight, self.variance_epsilon, 0.0, out_dtype)
         return _rms_norm_layer(self, hidden_states, weight, self.variance_epsilon, 0.0, out_dtype)
@@ -158,7 +169,7 @@ def _plain_linear(m) -> bool:
     if type(m) is not nn.Linear or not _unhooked(m):
         return False
     w = m._parameters.get("weight")
-    return (type(w) is nn.Parameter or type(w) is torch.Tensor) and not w.is_meta
+    return is_plain(w) and not w.is_meta
 
 
 def _autocast_casts(*tensors: torch.Tensor | None) -> bool:
@@ -194,7 +205,7 @@ class GeGLUMLP(nn.Module):
         if (
             activation is not None
             and act_plain
-            and type(x) is torch.Tensor
+            and (type(x) is torch.Tensor or is_plain(x))
             and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
             and not (g0 or g1 or g2 or g3)
         ):
@@ -227,7 +238,7 @@ class GeGLUMLP(nn.Module):
             why = f"no fused kernel for the activation {type(act_fn).__name__}"
         elif not act_plain:
             why = "the activation module has hooks or a replaced forward"
-        elif type(x) is not torch.Tensor:
+        elif not is_plain(x):
             why = "the input is a tensor subclass (DTensor, ...)"
         elif g0 or g1 or g2 or g3:
             why = "global nn.Module hooks are registered (register_module_forward_hook & co.)"
@@ -239,6 +250,22 @@ class GeGLUMLP(nn.Module):
 
 
 # ---- addmm / linear layers ------------------------------------------------------------------------------------
+
+
+_OWN_FORWARD: dict[type, bool] = {}
+
+
+def _keeps_own_forward(cls: type) -> bool:
+    """Whether kernelize's swap skipped a forward that ``cls`` must keep. kernels swaps every subclass of an opted-in
+    class (``replace_kernel_forward_from_hub(nn.Linear, "Linear")`` reaches QAT Linear, MoE routers that return
+    tuples, ...); a subclass that defines its own forward keeps it unless it opted in itself, below that forward."""
+    own = _OWN_FORWARD.get(cls)
+    if own is None:
+        mro = cls.__mro__
+        definer = next((c for c in mro if "forward" in vars(c)), None)
+        tagger = next((c for c in mro if "kernel_layer_name" in vars(c)), None)
+        own = _OWN_FORWARD[cls] = definer is not None and tagger is not None and not issubclass(tagger, definer)
+    return own
 
 
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -262,6 +289,9 @@ class Linear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        cls = type(self)
+        if cls is not nn.Linear and _keeps_own_forward(cls):
+            return _module_forward(self, input, "a subclass with a forward of its own that did not opt in itself")
         weight, bias = _weight_and_bias(self)
         if is_plain(input) and is_plain(weight) and (bias is None or is_plain(bias)):
             if (not input.is_cuda and weight.dim() == 2  # GPU calls: one attribute read
@@ -280,6 +310,8 @@ class Conv1D(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _keeps_own_forward(type(self)):
+            return _module_forward(self, x, "a subclass with a forward of its own that did not opt in itself")
         weight, bias = _weight_and_bias(self)
         if is_plain(x) and is_plain(weight) and (bias is None or is_plain(bias)):
             if (not x.is_cuda and weight.dim() == 2

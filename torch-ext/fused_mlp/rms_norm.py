@@ -23,7 +23,11 @@ from ._common import (
     check_tensor,
     declare_grad_dtypes,
     decompose_under_compile,
+    functorch_active,
+    plain_when_traced,
     reference_backward,
+    say_functorch_fallback,
+    warn_once,
 )
 from ._ops import add_op_namespace_prefix, ops
 
@@ -316,6 +320,10 @@ def rms_norm(
             raise ValueError(f"residual_dtype must be x's dtype ({x.dtype}) or torch.float32, got {h_dtype}")
         res2 = residual if residual.dtype == h_dtype else residual.to(h_dtype)
 
+    if functorch_active():  # torch.func transforms: the fp32 definition, which they can differentiate and batch
+        say_functorch_fallback("rms_norm")
+        return rms_norm_reference(x, weight, eps, offset=offset, residual=res2, residual_dtype=h_dtype,
+                                  out_dtype=out_dtype)
     if decompose_under_compile("rms_norm", x):
         # Under torch.compile: the fp32 definition, for Inductor to fuse with the ops around it (_common.py).
         return rms_norm_reference(x, weight, eps, offset=offset, residual=res2, residual_dtype=h_dtype,
@@ -326,6 +334,11 @@ def rms_norm(
         or (weight is not None and weight.requires_grad)
         or (residual is not None and residual.requires_grad)
     ):
+        if torch.compiler.is_compiling() and plain_when_traced(x, res2, weight):  # (FUSED_MLP_UNDER_COMPILE=kernel)
+            warn_once("export:rms_norm", "fused_mlp: under torch.export, rms_norm with gradients traces its fp32 "
+                      "definition, not the op (see docs/design.md#torchexport)")
+            return rms_norm_reference(x, weight, eps, offset=offset, residual=res2, residual_dtype=h_dtype,
+                                      out_dtype=out_dtype)
         if x.dim() != 2 and not torch.compiler.is_compiling():
             # Eager, any rank but 2: the op takes [..., N] and allocates y and h in the caller's shape.
             # A view taken after `apply` would put a ViewBackward node in front of the Function, where the engine
