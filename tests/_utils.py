@@ -214,8 +214,9 @@ class Tagged(torch.Tensor):
     """A tensor subclass that is not DTensor (what a wrapper library might pass): no kernel takes it."""
 
 
-def fallback_warnings(fm, fn):
-    """(fn(), the texts of the layers' fallback warnings it raised), with the package's warn-once memory cleared
+def fallback_warnings(fm, fn, match: str = "own PyTorch"):
+    """(fn(), the texts of the warnings holding `match` it raised: by default the layers' fallback warnings), with
+    the package's warn-once memory cleared
     first: each fallback reason warns once per process, so an earlier test may have used it up. (What was said before
     counts as said again afterwards: later tests see no warning this one brought back.)"""
     warned = importlib.import_module(f"{fm.__name__}._common")._WARNED
@@ -227,4 +228,4 @@ def fallback_warnings(fm, fn):
             out = fn()
     finally:
         warned |= before
-    return out, [str(w.message) for w in caught if "own PyTorch" in str(w.message)]
+    return out, [str(w.message) for w in caught if match in str(w.message)]

@@ -4,14 +4,13 @@ run their fp32 definitions in PyTorch ops, warned once per op (docs/design.md#to
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from _utils import opted_in
+from _utils import fallback_warnings, opted_in
 
 H, I = 32, 48
 
@@ -98,18 +97,8 @@ def test_functional_call_grad_of_a_kernelized_model(fm, device):
 
     model.zero_grad(set_to_none=True)
     model(ids, labels=ids).loss.backward()
-    warned = importlib.import_module(f"{fm.__name__}._common")._WARNED
-    before = set(warned)
-    warned.clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = grad(loss)(params)
-            grad(loss)(params)
-    finally:
-        warned |= before
-    said = sorted(str(w.message) for w in caught if "torch.func transform" in str(w.message))
-    assert said == sorted(f"fused_mlp: under a torch.func transform, {op} runs its fp32 definition in PyTorch ops, "
+    got, said = fallback_warnings(fm, lambda: [grad(loss)(params) for _ in range(2)][0], match="torch.func transform")
+    assert sorted(said) == sorted(f"fused_mlp: under a torch.func transform, {op} runs its fp32 definition in PyTorch ops, "
                           "not the fused kernel (see docs/design.md#torchfunc)"
                           for op in ("rms_norm", "gated_mlp", "the gated activation", "linear / addmm")), said
     for k, p in model.named_parameters():
