@@ -182,6 +182,31 @@ def test_subclass_with_its_own_forward_keeps_it(fm, device, compiled):
                                                                                                    "_HalfLinear")], said
 
 
+class _Router(nn.Linear):
+    """An MoE router as transformers writes them (PhimoeTopKRouter, Llama4Router): a tuple, not a tensor."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.argmax(-1)
+
+
+def test_subclass_keeps_its_forward_after_the_opt_in_is_taken_back(fm, device):
+    """nn.Linear opted in for kernelize only (the tag removed afterwards, as tests/_utils.opted_in and decode.py do):
+    the router still keeps its forward, the plain Linear beside it runs the layer."""
+    from _utils import opted_in
+
+    box = nn.ModuleDict({"router": _Router(24, 8), "proj": nn.Linear(24, 8)}).to(device)
+    with opted_in([(nn.Linear, "Linear")]), kernels.use_kernel_mapping(_mapping(device)):
+        kernels.kernelize(box, mode=kernels.Mode.INFERENCE, device=device, use_fallback=True)
+    assert box["router"].forward.__func__ is fm.layers.Linear.forward  # kernels did swap the subclass
+    x = torch.randn(3, 24, device=device)
+    out, said = fallback_warnings(fm, lambda: box["router"](x))
+    assert isinstance(out, tuple) and torch.equal(out[0], F.linear(x, box["router"].weight, box["router"].bias))
+    assert said == ["fused_mlp: _Router runs its own PyTorch forward here, not the fused kernel: a subclass with a "
+                    "forward of its own that did not opt in itself."], said
+    assert box["proj"].forward.__func__ is fm.layers.Linear.forward and box["proj"](x).shape == (3, 8)
+
+
 def test_linear_layer_under_autocast(fm, device):
     """fp32 parameters under torch.autocast: the layer computes in the autocast dtype, like nn.Linear."""
     ref, ours = _pair(device, torch.float32)

@@ -216,6 +216,25 @@ def test_hooks_and_unplain_linears_fall_back(fm, device):
                     "(DTensor, ...)."], said
 
 
+class _SubNormMLP(LlamaMLP):
+    """A gated MLP whose forward differs from the standard one (BitNet's sub-norm before down_proj)."""
+
+    def forward(self, x):
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h / (1 + h.abs().mean(-1, keepdim=True)))
+
+
+def test_fallback_is_the_class_forward(fm, device):
+    """What runs on a fallback is the class's own forward, not a standard formula."""
+    torch.manual_seed(4)
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=48, hidden_act="relu2")  # no fused kernel: a fallback
+    mlp = _SubNormMLP(cfg).to(device)
+    x = torch.randn(5, H, device=device)
+    y, said = fallback_warnings(fm, lambda: fm.layers.GeGLUMLP.forward(mlp, x))
+    assert torch.equal(y, _SubNormMLP.forward(mlp, x))
+    assert len(said) == 1 and "no fused kernel for the activation" in said[0], said
+
+
 def test_activation_hooks_fall_back(fm, device):
     """A hook on act_fn (activation steering, ablation, capture) runs, as in the plain module."""
     ref, ours, _ = build("llama", device, torch.float32, kernels.Mode.TRAINING)

@@ -246,7 +246,7 @@ class GeGLUMLP(nn.Module):
             why = ("the projections are not plain nn.Linear on plain tensors (DTensor, quantised, offloaded, hooks, "
                    "a replaced forward, subclass)")
         warn_once(f"GeGLUMLP:{why}", f"fused_mlp: GeGLUMLP runs the module's own PyTorch math here: {why}.")
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return type(self).forward(self, x)  # the class's (kernelize set the layer's on the instance)
 
 
 # ---- addmm / linear layers ------------------------------------------------------------------------------------
@@ -255,16 +255,22 @@ class GeGLUMLP(nn.Module):
 _OWN_FORWARD: dict[type, bool] = {}
 
 
+def _is_conv1d(c: type) -> bool:
+    return c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
+
+
 def _keeps_own_forward(cls: type) -> bool:
     """Whether kernelize's swap skipped a forward that ``cls`` must keep. kernels swaps every subclass of an opted-in
     class (``replace_kernel_forward_from_hub(nn.Linear, "Linear")`` reaches QAT Linear, MoE routers that return
-    tuples, ...); a subclass that defines its own forward keeps it unless it opted in itself, below that forward."""
+    tuples, ...): a forward defined below nn.Linear / transformers' Conv1D is kept unless its class, or one below it,
+    opted in itself (tagged when first called; the answer is kept per class)."""
     own = _OWN_FORWARD.get(cls)
     if own is None:
         mro = cls.__mro__
         definer = next((c for c in mro if "forward" in vars(c)), None)
         tagger = next((c for c in mro if "kernel_layer_name" in vars(c)), None)
-        own = _OWN_FORWARD[cls] = definer is not None and tagger is not None and not issubclass(tagger, definer)
+        own = _OWN_FORWARD[cls] = (definer is not None and definer is not nn.Linear and not _is_conv1d(definer)
+                                   and not (tagger is not None and issubclass(tagger, definer)))
     return own
 
 
