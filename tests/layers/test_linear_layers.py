@@ -5,6 +5,7 @@ transformers' GPT-2 ``Conv1D``; plus the layer contract, autocast and torch.comp
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -223,8 +224,9 @@ def test_linear_layer_under_autocast(fm, device):
 
 def test_kernelized_block_compiles_without_recompiles(fm, device):
     """Mode.TRAINING | Mode.TORCH_COMPILE: the kernelized block under torch.compile(fullgraph=True), forward and
-    backward, one graph across token counts."""
+    backward, one graph across token counts (from a fresh process's state: the layers' per-class cache empty)."""
     torch._dynamo.reset()
+    sys.modules[fm.__name__ + ".layers"]._OWN_FORWARD.clear()
     ref, _ = _pair(device, torch.float32)
     ours = Block(KLinear, KConv1D).to(device)
     ours.load_state_dict(ref.state_dict())

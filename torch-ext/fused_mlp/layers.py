@@ -259,6 +259,7 @@ def _is_conv1d(c: type) -> bool:
     return c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
 
 
+@torch.compiler.assume_constant_result  # a constant to dynamo: reading the cache there guarded on it (a recompile)
 def _keeps_own_forward(cls: type) -> bool:
     """Whether kernelize's swap skipped a forward that ``cls`` must keep. kernels swaps every subclass of an opted-in
     class (``replace_kernel_forward_from_hub(nn.Linear, "Linear")`` reaches QAT Linear, MoE routers that return
