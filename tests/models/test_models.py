@@ -438,6 +438,35 @@ def test_checks_catch_silent_non_kernelization(fm, device):
     assert ops.counts["geglu_fwd"] == 0 and ops.counts != expected_ops("gemma", backward=False)  # ... not the maths
 
 
+
+def test_deepcopy_keeps_and_pickle_drops_the_swap(fm, device):
+    """What docs/using-with-transformers.md says about saving: a deep copy stays kernelized; a pickled model comes
+    back with its classes' own forwards (kernels binds each swapped forward to its module, which pickle records by
+    name), with the same logits; kernelize again after loading."""
+    import io
+
+    model = kernelize(build("llama", device), "llama", device, Mode.INFERENCE)
+    ids = batch(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    twin = copy.deepcopy(model)
+    assert_replaced(twin, "llama")
+    with torch.no_grad(), OpCounter() as ops:
+        assert torch.equal(twin(input_ids=ids, use_cache=False).logits, want)
+    assert ops.counts == expected_ops("llama", backward=False, device=device, dtype=torch.float32)
+
+    for m in model.modules():  # transformers' attention holds a local class of kernels' that pickle cannot store
+        vars(m).pop("_kernel_funcs", None)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert replaced_layers(loaded) == {}
+    with torch.no_grad():
+        assert_fp32_close(loaded(input_ids=ids, use_cache=False).logits, want, "logits after torch.load")
+    kernelize(loaded, "llama", device, Mode.INFERENCE)
+    assert_replaced(loaded, "llama")
+
 def test_opt_in_is_undone(fm):
     """The tests leave transformers' classes as they found them (Conv1D is shared by every GPT-2-style model)."""
     before = {cls: {a: cls.__dict__.get(a) for a in ("kernel_layer_name", "kernel_condition")}
