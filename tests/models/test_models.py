@@ -438,7 +438,6 @@ def test_checks_catch_silent_non_kernelization(fm, device):
     assert ops.counts["geglu_fwd"] == 0 and ops.counts != expected_ops("gemma", backward=False)  # ... not the maths
 
 
-
 def test_deepcopy_keeps_and_pickle_drops_the_swap(fm, device):
     """What docs/using-with-transformers.md says about saving: a deep copy stays kernelized; a pickled model comes
     back with its classes' own forwards (kernels binds each swapped forward to its module, which pickle records by
@@ -466,6 +465,7 @@ def test_deepcopy_keeps_and_pickle_drops_the_swap(fm, device):
         assert_fp32_close(loaded(input_ids=ids, use_cache=False).logits, want, "logits after torch.load")
     kernelize(loaded, "llama", device, Mode.INFERENCE)
     assert_replaced(loaded, "llama")
+
 
 def test_opt_in_is_undone(fm):
     """The tests leave transformers' classes as they found them (Conv1D is shared by every GPT-2-style model)."""
