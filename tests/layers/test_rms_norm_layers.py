@@ -83,16 +83,21 @@ def test_layer_matches_transformers_module(fm, device, cls, dtype, w_dtype):
     assert_2x_rule(dw, ref[2], theirs[2], name="dw", floor=max(FLOOR[dw.dtype], 1e-6 * ref[2].abs().max().item()))
 
 
-def _classes_decorated_rmsnorm() -> list[type]:
-    """Every transformers class decorated ``use_kernel_forward_from_hub("RMSNorm")``."""
+def _classes_decorated_rmsnorm(fm) -> list[type]:
+    """Every transformers class decorated ``use_kernel_forward_from_hub("RMSNorm")``, and the classes the layer names
+    for their output dtype (transformers 5.25 no longer decorates those: kernelize leaves them alone there, but a
+    user's own mapping can still swap them)."""
     root = Path(transformers.__file__).parent / "models"
+    named = fm.layers._RMS_OUT_IN_INPUT_DTYPE
     found = []
     for path in sorted(root.glob("*/modeling_*.py")):
-        if 'use_kernel_forward_from_hub("RMSNorm")' not in path.read_text():
+        text = path.read_text()
+        if ('use_kernel_forward_from_hub("RMSNorm")' not in text
+                and not any(f"class {name}(" in text for name in named)):
             continue
         mod = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
         found += [c for c in vars(mod).values() if inspect.isclass(c) and c.__module__ == mod.__name__
-                  and c.__dict__.get("kernel_layer_name") == "RMSNorm"]
+                  and (c.__dict__.get("kernel_layer_name") == "RMSNorm" or c.__name__ in named)]
     return found
 
 
@@ -104,7 +109,7 @@ def test_every_transformers_rmsnorm_class_gets_its_own_output_dtype(fm, w_dtype,
     that round after the weight (OLMo 2, GPT-OSS, DeepSeek-V4, ...) the input's dtype; values by the 2x rule."""
     checked, bad = [], []
     g = torch.Generator().manual_seed(5)
-    for cls in _classes_decorated_rmsnorm():
+    for cls in _classes_decorated_rmsnorm(fm):
         try:
             module = cls(64, eps=1e-6)
         except TypeError:
