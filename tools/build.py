@@ -11,7 +11,8 @@ variant (`torch-stable-abi210-cpu-<arch>-linux`, `torch-stable-abi210-cu<VER>-<a
 torch >= 2.10); for any other backend the per-torch one (`torch<XY>-cxx11-cpu-<arch>-linux`, ...). `--abi torch`
 builds the per-torch variants instead, `--abi all` both. Each variant holds
 the Python package from torch-ext/fused_mlp/, a generated `_ops.py`, an abi3 extension module
-`_fused_mlp_<backend>_<hash>.abi3.so` whose op namespace is the same unique name, and `metadata.json`.
+`_fused_mlp_<backend>_<hash>.abi3.so` whose op namespace is the same unique name, `symbols.json` (the public
+functions and layers, which `kernels describe-api` lists: kernels >= 0.19) and `metadata.json`.
 Compilation goes through ninja (incremental, header dependencies tracked) with the include and library paths
 that `torch.utils.cpp_extension` reports; intermediate files live in `.build/` (git-ignored). A variant
 directory is assembled aside and moved into place only when everything succeeded, so a failed build never
@@ -21,6 +22,7 @@ leaves a half-written variant behind.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib.util
 import json
@@ -565,6 +567,43 @@ def variant_digest(variant_dir: Path) -> dict | None:
     return {"algorithm": "sha256", "files": dict(Digest.hash_variant(DigestAlgorithm.SHA256, str(variant_dir)).files)}
 
 
+def _all_names(tree: ast.Module, path: Path) -> list[str]:
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                and isinstance(node.value, (ast.List, ast.Tuple))):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    raise BuildError(f"{path} has no literal __all__ (symbols.json lists the public names from it)")
+
+
+def symbols_for(pkg_src: Path) -> dict:
+    """symbols.json, schema 1 as `kernels describe-api` reads it (kernels >= 0.19): the package's public functions
+    (`__all__` of __init__.py, less the submodules it imports) and its layers (`__all__` of layers.py) with their
+    `has_backward` / `can_torch_compile` class attributes (null where a class does not set one). Read from the source,
+    so it needs no import of the built extension (tests/packaging/test_loading.py checks it against the module)."""
+    init = pkg_src / "__init__.py"
+    tree = ast.parse(init.read_text())
+    submodules = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1
+                  and n.module is None for a in n.names}
+    symbols: dict = {"schema_version": 1,
+                     "functions": [{"name": n} for n in _all_names(tree, init) if n not in submodules],
+                     "layers": []}
+    layers_py = pkg_src / "layers.py"
+    if layers_py.exists():
+        tree = ast.parse(layers_py.read_text())
+        classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        for name in _all_names(tree, layers_py):
+            if name not in classes:
+                raise BuildError(f"{layers_py}: __all__ names {name!r}, which is not a class defined there")
+            attrs: dict = {"has_backward": None, "can_torch_compile": None}
+            for stmt in classes[name].body:
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant):
+                    for t in stmt.targets:
+                        if isinstance(t, ast.Name) and t.id in attrs and isinstance(stmt.value.value, bool):
+                            attrs[t.id] = stmt.value.value
+            symbols["layers"].append({"name": name, "attributes": attrs})
+    return symbols
+
+
 def metadata_for(cfg: BuildConfig, v: Variant) -> dict:
     """metadata.json as kernel-builder writes it (kernels-data Metadata::for_backend, serialised in its field order):
     `upstream` and `source` only when build.toml's [general] sets them, `kernel-depends` always, `backend.archs`
@@ -624,6 +663,7 @@ def build_variant(cfg: BuildConfig, v: Variant, tc: Toolchain, out_dir: Path, jo
             shutil.copy2(py, dst)
         (stage / "_ops.py").write_text(OPS_PY.format(variant=v.name, namespace=v.namespace))
         shutil.copy2(so, stage / so.name)
+        (stage / "symbols.json").write_text(json.dumps(symbols_for(pkg_src), indent=2) + "\n")
         meta = metadata_for(cfg, v)
         digest = variant_digest(stage)  # before metadata.json exists: the digest never covers it
         if digest is not None:

@@ -444,3 +444,26 @@ def test_cross_compile_check_catches_x86_only_code(tmp_path):
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "kernels_src/cpu/addmm.cpp (cpu, per-torch) does not compile for aarch64-linux" in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("fused-mlp cross-compile error: 1 of 1 compiles failed")
+
+
+def test_symbols_from_the_source(tmp_path):
+    """symbols.json (kernels >= 0.19 `describe-api`) from the package source: `__all__` less the submodules, the
+    layers' kernelize attributes (null where unset); a name that is not a class, or no literal `__all__`, fails."""
+    build = build_tool()
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import layers\nfrom .ops import f, g\n__all__ = ['f', 'layers', 'g']\n")
+    (pkg / "layers.py").write_text("class A:\n    has_backward = False\n    can_torch_compile = True\n\n\n"
+                                   "class B:\n    pass\n\n\nclass _C:\n    pass\n\n\n__all__ = ['B', 'A']\n")
+    assert build.symbols_for(pkg) == {
+        "schema_version": 1, "functions": [{"name": "f"}, {"name": "g"}],
+        "layers": [{"name": "B", "attributes": {"has_backward": None, "can_torch_compile": None}},
+                   {"name": "A", "attributes": {"has_backward": False, "can_torch_compile": True}}]}
+    (pkg / "layers.py").write_text("D = object\n__all__ = ['D']\n")
+    with pytest.raises(build.BuildError, match="not a class defined there"):
+        build.symbols_for(pkg)
+    (pkg / "layers.py").unlink()
+    assert build.symbols_for(pkg)["layers"] == []
+    (pkg / "__init__.py").write_text("names = ['f']\n__all__ = names\n")
+    with pytest.raises(build.BuildError, match="no literal __all__"):
+        build.symbols_for(pkg)

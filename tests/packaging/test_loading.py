@@ -197,13 +197,45 @@ def test_newer_torch_without_per_torch_variant_skips(tmp_path):
     assert f"per-torch variant for torch {torch.__version__}" in out, out[-4000:]
 
 
-def test_kernels_info_accepts_the_build():
-    pytest.importorskip("cryptography", reason="kernels' own dependencies (sigstore, cryptography) not installed")
-    proc = subprocess.run([sys.executable, "-m", "kernels.cli", "info", str(ROOT)], capture_output=True, text=True)
+def _kernels_cli(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "kernels.cli", *args], capture_output=True, text=True)
     if proc.returncode != 0 and "No module named kernels.cli" in proc.stderr:
         # the script next to this interpreter first: a virtual environment's bin/ is on PATH only when activated
         exe = next((str(c) for c in (Path(sys.executable).parent / "kernels",) if c.exists()), shutil.which("kernels"))
         assert exe, "the `kernels` CLI is not installed"
-        proc = subprocess.run([exe, "info", str(ROOT)], capture_output=True, text=True)
+        proc = subprocess.run([exe, *args], capture_output=True, text=True)
+    return proc
+
+
+def test_kernels_info_accepts_the_build():
+    pytest.importorskip("cryptography", reason="kernels' own dependencies (sigstore, cryptography) not installed")
+    proc = _kernels_cli("info", str(ROOT))
     assert proc.returncode == 0, proc.stderr
     assert "fused-mlp" in proc.stdout and "cpu" in proc.stdout
+
+
+def test_symbols_json_lists_the_loaded_api(fm):
+    """Every variant's symbols.json (what `kernels describe-api` prints, kernels >= 0.19) names exactly the loaded
+    package's public functions and its layers, with the attributes kernelize reads; kernels' own reader and CLI
+    accept it where they exist."""
+    import types
+
+    functions = [{"name": n} for n in fm.__all__ if not isinstance(getattr(fm, n), types.ModuleType)]
+    assert functions and all(callable(getattr(fm, f["name"])) for f in functions)
+    layers = [{"name": n, "attributes": {a: getattr(getattr(fm.layers, n), a, None)
+                                         for a in ("has_backward", "can_torch_compile")}}
+              for n in fm.layers.__all__]
+    want = {"schema_version": 1, "functions": functions, "layers": layers}
+    variants = [d for d in BUILD.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    assert variants, "no variants built"
+    for v in variants:
+        assert json.loads((v / "symbols.json").read_text()) == want, v.name
+    try:
+        from kernels._internals.cli.describe_api import _read_symbols
+    except ImportError:
+        return  # kernels < 0.19 has no describe-api
+    assert _read_symbols(variants[0] / "symbols.json") == want
+    proc = _kernels_cli("describe-api", "--json", str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["functions"] == functions and out["layers"] == layers
