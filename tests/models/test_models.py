@@ -59,7 +59,7 @@ from hf_compat import hub_kernels_problem  # noqa: E402
 Mode = kernels.Mode
 
 # fp32: the kernels compute the modules' maths in fp32; only the summation order differs. Error relative to the
-# tensor's largest magnitude; measured worst case on CPU over the five families, logits, every gradient and the
+# tensor's largest magnitude; measured worst case on CPU over the first five families, logits, every gradient and the
 # SGD loss curves: 1.1e-6 (a Gemma3 gradient), logits <= 5e-7.
 FP32_RTOL = 1e-5
 # bf16: floor of the 2x rule, relative to the tensor's largest magnitude (half a bf16 ulp at the top of the range is
@@ -122,8 +122,9 @@ FAMILIES = {
     ),
     "olmo2": Family(
         lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_decoder_kw(hidden_act="silu"))),
-        # A norm that rounds after the weight (the input's dtype out). transformers 5.22 decorates it "RMSNorm",
-        # 5.25 no longer does: opted in either way, as docs/using-with-transformers.md says.
+        # A norm that rounds after the weight. transformers 5.22 decorates it "RMSNorm", 5.25 no longer does: opted
+        # in either way, as docs/using-with-transformers.md says. (One dtype for weights and inputs here: the
+        # output-dtype rule is tested in tests/layers/test_rms_norm_layers.py.)
         ((Olmo2RMSNorm, "RMSNorm"), (Olmo2MLP, "GeGLUMLP")),
         # post-attention and post-feedforward norms and q/k norms per layer, the final norm.
         {"Olmo2RMSNorm": ("RMSNorm", 4 * LAYERS + 1), "Olmo2MLP": ("GeGLUMLP", LAYERS)},
