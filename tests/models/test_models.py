@@ -466,17 +466,21 @@ def test_deepcopy_keeps_and_pickle_drops_the_swap(fm, device):
     assert ops.counts == expected_ops("llama", backward=False, device=device, dtype=torch.float32)
 
     buf = io.BytesIO()
+    held = {}
     try:
         torch.save(model, buf)
     except (AttributeError, pickle.PicklingError):
         # kernels < 0.19: transformers' attention holds a local class of kernels' that pickle cannot store (a plain
-        # model fails the same way); kernels 0.19 pickles it, and its attention forward then needs it.
-        for m in model.modules():
-            vars(m).pop("_kernel_funcs", None)
+        # model fails the same way); it is set aside for pickling and handed back (kernels 0.18's attention forward
+        # needs it), and kernels 0.19 pickles it.
+        held = {n: vars(m).pop("_kernel_funcs") for n, m in model.named_modules() if "_kernel_funcs" in vars(m)}
         buf = io.BytesIO()
         torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
+    for name, funcs in held.items():
+        vars(model.get_submodule(name))["_kernel_funcs"] = funcs
+        vars(loaded.get_submodule(name))["_kernel_funcs"] = funcs
     assert replaced_layers(loaded) == {}
     with torch.no_grad():
         assert_fp32_close(loaded(input_ids=ids, use_cache=False).logits, want, "logits after torch.load")
@@ -516,12 +520,16 @@ def test_version_mismatch_is_reported(monkeypatch):
 
 
 def test_version_mismatch_detected_in_a_real_process():
-    """The real situation, in a fresh process where importlib.metadata reports kernels 0.18.2 to transformers: the
-    decorated class is left untagged (nothing would be replaced) and the helper says why."""
+    """The real situation, in a fresh process where importlib.metadata reports to transformers a kernels version it
+    does not accept (its KERNELS_MAX_VERSION): the decorated class is left untagged (nothing would be replaced) and
+    the helper says why."""
+    from transformers.utils import import_utils
+
+    bad = import_utils.KERNELS_MAX_VERSION
     code = textwrap.dedent(f"""
         import importlib.metadata as md, json, sys
         real = md.version
-        md.version = lambda name: "0.18.2" if name == "kernels" else real(name)
+        md.version = lambda name: {bad!r} if name == "kernels" else real(name)
         sys.path.insert(0, {str(ROOT / "tools")!r})
         from hf_compat import hub_kernels_problem
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -531,7 +539,7 @@ def test_version_mismatch_detected_in_a_real_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     tagged, problem = json.loads(proc.stdout.strip().splitlines()[-1])
     assert tagged is False
-    assert problem is not None and "does not accept kernels 0.18.2" in problem
+    assert problem is not None and f"does not accept kernels {bad}" in problem
 
 
 def _allow_kernel_config_on_cpu(monkeypatch, device: str) -> None:

@@ -55,11 +55,11 @@ def _rms_norm_layer(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, ep
 
 # transformers' RMSNorm classes that return ``(weight * norm(x)).to(input_dtype)``: their output dtype is the
 # input's, where Llama's ``weight * norm(x).to(input_dtype)`` gives promote(weight, input). The set is every such
-# class decorated "RMSNorm" in transformers 5.22.2 (tests/layers/test_rms_norm_layers.py checks all of them).
+# class of transformers 5.22.2-5.25.0, decorated "RMSNorm" or not (tests/layers/test_rms_norm_layers.py checks them).
 _RMS_OUT_IN_INPUT_DTYPE = frozenset({
     "AfmoeRMSNorm", "BeamRMSNorm", "DeepseekV4RMSNorm", "FlexOlmoRMSNorm", "FlintRMSNorm", "GptOssRMSNorm",
-    "NemotronHRMSNorm", "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "OlmoHybridRMSNorm",
-    "OpenAIPrivacyFilterRMSNorm",
+    "Inkling2LoopRMSNorm", "Inkling2RMSNorm", "NemotronHRMSNorm", "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm",
+    "Olmo3RMSNorm", "OlmoHybridRMSNorm", "OpenAIPrivacyFilterRMSNorm",
 })
 
 
