@@ -84,9 +84,9 @@ def test_layer_matches_transformers_module(fm, device, cls, dtype, w_dtype):
 
 
 # RMSNorm classes whose forward rounds after the weight (the input's dtype out), as of transformers 5.22-5.25.
-# 5.22 decorates the first 12 "RMSNorm", 5.24 also the Inkling2 ones, 5.25 none of them (kernelize leaves them alone
-# unless opted in). The test keeps its own list, and also finds such classes by the line they end with, so a class
-# missing from the layer's list is caught whichever transformers runs.
+# 5.22 decorates the first 12 "RMSNorm", 5.23 and 5.24 also the Inkling2 ones, 5.25 none of them (kernelize leaves
+# them alone unless opted in). The test keeps its own list, and also finds such classes by the line they end with, so
+# a class missing from the layer's list is caught whichever transformers runs.
 ROUND_AFTER_WEIGHT = frozenset({
     "AfmoeRMSNorm", "BeamRMSNorm", "DeepseekV4RMSNorm", "FlexOlmoRMSNorm", "FlintRMSNorm", "GptOssRMSNorm",
     "NemotronHRMSNorm", "NemotronH_Omni_RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "OlmoHybridRMSNorm",
