@@ -202,8 +202,17 @@ def _kernels_cli(*args: str) -> subprocess.CompletedProcess:
     if proc.returncode != 0 and "No module named kernels.cli" in proc.stderr:
         # the script next to this interpreter first: a virtual environment's bin/ is on PATH only when activated
         exe = next((str(c) for c in (Path(sys.executable).parent / "kernels",) if c.exists()), shutil.which("kernels"))
-        assert exe, "the `kernels` CLI is not installed"
-        proc = subprocess.run([exe, *args], capture_output=True, text=True)
+        if exe:
+            return subprocess.run([exe, *args], capture_output=True, text=True)
+        # No script anywhere (`pip install --target` puts it in the target's bin/, off PATH): the console-script entry
+        # point the script would run, from the installed package's metadata.
+        from importlib.metadata import entry_points
+
+        eps = [ep for ep in entry_points(group="console_scripts", name="kernels") if ep.module.startswith("kernels")]
+        assert eps, "the `kernels` CLI is not installed"
+        mod, fn = eps[0].module, eps[0].attr
+        call = f"import sys; from {mod} import {fn}; sys.argv[0] = 'kernels'; sys.exit({fn}())"
+        proc = subprocess.run([sys.executable, "-c", call, *args], capture_output=True, text=True)
     return proc
 
 
