@@ -73,11 +73,25 @@ def variant_root(kind: str | None = None) -> Path:
     return root
 
 
+_LOADED: dict[str, object] = {}
+
+
+def load_local(root: Path, backend: str | None = None):
+    """`kernels.get_local_kernel`, keeping the first module of each build: the module's name carries the build id, so
+    a build loaded again from another root (test_variants' stand-ins are symlinks into build/) is the same binary.
+    kernels 0.17 runs the package's __init__ again for the second path while its submodules stay cached, and the new
+    module lacks the private submodule attributes (`_ops`) that tests use."""
+    import kernels
+
+    m = kernels.get_local_kernel(root, backend=backend)
+    return _LOADED.setdefault(m.__name__, m)
+
+
 def _load(backend: str | None):
     import kernels
 
     try:
-        return kernels.get_local_kernel(variant_root(), backend=backend)
+        return load_local(variant_root(), backend=backend)
     except FileNotFoundError as e:  # no build for this torch
         if REPO_ID in os.environ.get("LOCAL_KERNELS", ""):
             # kernel-builder's test closure (`nix build .#ci-test`): the sources have no build/, and

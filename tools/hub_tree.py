@@ -202,33 +202,59 @@ def offline_cache(cfg: BuildConfig, out: Path, scratch: Path) -> Path:
     return scratch / "hub"
 
 
+def cuda_version(tag: str) -> tuple[int, int] | None:
+    """(major, minor) of a variant's CUDA tag (cu126 -> (12, 6), cu130 -> (13, 0)); None for cpu."""
+    m = re.fullmatch(r"cu(\d\d)(\d+)", tag)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def cuda_tag_loads(tag: str, torch_cuda: str | None) -> bool:
+    """kernels' rule: a variant built for CUDA x.z loads under a torch built for CUDA x.y when z <= y (CUDA's minor
+    version compatibility), so torch 2.15's cu132 takes a cu130 variant."""
+    v = cuda_version(tag)
+    if v is None or torch_cuda is None:
+        return False
+    major, minor = (int(p) for p in torch_cuda.split(".")[:2])
+    return v[0] == major and v[1] <= minor
+
+
 def get_kernel_problems(cfg: BuildConfig, variants: list[Path], cache: Path) -> list[str]:
     import torch
 
     tag = "torch{}{}".format(*torch.__version__.split("+")[0].split(".")[:2])
-    cu = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else None
     have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     problems = []
 
-    def loadable(v: Path, backend: str, stable: bool) -> bool:
-        """A per-torch variant loads under its own torch only, a stable-ABI one under every torch >= its target."""
+    def preference(v: Path, backend: str) -> tuple[int, ...] | None:
+        """None when kernels would not load v under the installed torch, else its sort key in kernels' order
+        (stable ABI first, the newest ABI target, then the newest CUDA minor): the smallest key is the one loaded."""
         m = VARIANT_RE.match(v.name)
-        if not m or (m.group(3) is not None) != stable:
-            return False
+        if not m:
+            return None
+        stable = m.group(3) is not None
         torch_ok = have >= (int(m.group(3)), int(m.group(4))) if stable else f"torch{m.group(1)}{m.group(2)}" == tag
-        return torch_ok and (backend == "cpu" or (cu is not None and m.group(5) == cu))
+        if not torch_ok or (backend != "cpu" and not cuda_tag_loads(m.group(5), torch.version.cuda)):
+            return None
+        cuda_minor = cuda_version(m.group(5))[1] if backend != "cpu" else 0
+        if stable:
+            return (0, -int(m.group(3)), -int(m.group(4)), -cuda_minor)
+        return (1, 0, 0, -cuda_minor)
 
     backends = {v: json.loads((v / "metadata.json").read_text())["backend"]["type"] for v in variants}
-    stable_backends = {b for v, b in backends.items() if loadable(v, b, True)}
+    keys = {v: preference(v, b) for v, b in backends.items()}
+    chosen = {}
+    for v, key in keys.items():
+        if key is not None and (backends[v] not in chosen or key < keys[chosen[backends[v]]]):
+            chosen[backends[v]] = v
     for v in variants:
         backend = backends[v]
-        if not (loadable(v, backend, True) or loadable(v, backend, False)):
+        if keys[v] is None:
             print(f"[hub-tree] get_kernel: {v.name} is not loadable with the installed torch {torch.__version__}; "
                   "skipped")
             continue
-        if not loadable(v, backend, True) and backend in stable_backends:
-            print(f"[hub-tree] get_kernel: {v.name} is shadowed by the stable-ABI {backend} variant, which `kernels` "
-                  "prefers; skipped")
+        if chosen[backend] != v:
+            print(f"[hub-tree] get_kernel: {v.name} is shadowed by {chosen[backend].name}, which `kernels` prefers; "
+                  "skipped")
             continue
         code = NO_NETWORK + textwrap.dedent(f"""
             import torch, kernels

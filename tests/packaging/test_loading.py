@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,27 @@ import torch
 from conftest import REPO_ID, ROOT, TORCH_TAG
 
 BUILD = ROOT / "build"
-CUDA_TAG = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else None
-# A CUDA variant the installed torch can load: the per-torch one of this torch, or a stable-ABI one of its CUDA.
-HAS_CUDA_BUILD = CUDA_TAG is not None and (any(BUILD.glob(f"{TORCH_TAG}-cxx11-{CUDA_TAG}-*-linux"))
-                                           or any(BUILD.glob(f"torch-stable-abi*-{CUDA_TAG}-*-linux")))
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+# kernels' variant names: torch<XY>-cxx11-<backend>-... (per-torch) or torch-stable-abi<XY>-<backend>-... (stable ABI)
+VARIANT = re.compile(r"^torch(?:(\d)(\d+)-cxx11|-stable-abi(\d)(\d+))-cu(\d\d)(\d+)-[a-z0-9_]+-linux$")
+
+
+def _cuda_variant_loads(name: str) -> bool:
+    """kernels loads this CUDA variant under the installed torch: the per-torch one of this torch or a stable-ABI
+    one whose target is not newer, built for torch's CUDA major and a minor no newer than torch's (CUDA's minor
+    version compatibility: torch 2.15's cu132 takes a cu130 variant)."""
+    m = VARIANT.match(name)
+    if m is None or torch.version.cuda is None:
+        return False
+    major, minor = (int(p) for p in torch.version.cuda.split(".")[:2])
+    if int(m.group(5)) != major or int(m.group(6)) > minor:
+        return False
+    if m.group(3) is not None:
+        return TORCH_VERSION >= (int(m.group(3)), int(m.group(4)))
+    return f"torch{m.group(1)}{m.group(2)}" == TORCH_TAG
+
+
+HAS_CUDA_BUILD = BUILD.is_dir() and any(d.is_dir() and _cuda_variant_loads(d.name) for d in BUILD.iterdir())
 
 # Imported in child processes before anything else: any attempt to open a network connection fails loudly.
 NO_NETWORK = textwrap.dedent(

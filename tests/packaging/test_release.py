@@ -393,6 +393,15 @@ def hub_tree():
     return mod
 
 
+@pytest.mark.parametrize("tag, torch_cuda, loads", [
+    ("cu130", "13.0", True), ("cu130", "13.2", True),    # torch 2.15's PyPI build (cu132) takes our cu130 variant
+    ("cu132", "13.0", False), ("cu129", "13.0", False),  # a newer minor or another major does not load
+    ("cu126", "12.9", True), ("cu128", "12.6", False), ("cpu", "13.0", False), ("cu130", None, False),
+])
+def test_cuda_variant_rule_is_kernels_minor_version_rule(hub_tree, tag, torch_cuda, loads):
+    assert hub_tree.cuda_tag_loads(tag, torch_cuda) is loads
+
+
 def test_card_is_a_kernels_hub_card(hub_tree):
     assert hub_tree.card_problems(ROOT / "CARD.md", CFG) == []
 

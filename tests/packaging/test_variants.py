@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICES, ROOT, TORCH_TAG, variant_root
+from conftest import DEVICES, ROOT, TORCH_TAG, load_local, variant_root
 
 BUILD = ROOT / "build"
 BUILT = sorted(d.name for d in BUILD.iterdir() if d.is_dir() and not d.name.startswith(".")) if BUILD.is_dir() else []
@@ -34,10 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def pair():
-    import kernels
-
-    stable = kernels.get_local_kernel(variant_root("stable"))
-    classic = kernels.get_local_kernel(variant_root("torch"))
+    stable = load_local(variant_root("stable"))
+    classic = load_local(variant_root("torch"))
     assert stable.__name__ != classic.__name__  # two namespaces, loaded side by side
     return stable, classic
 
